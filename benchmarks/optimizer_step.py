@@ -1,0 +1,133 @@
+"""Time one optimizer step on ViT-B-shaped W_Q, W_K frames, side by side, and the end-to-end
+training-step overhead of the stiefel-adam arm over the adamw arm on the default PatchViT.
+
+    python benchmarks/optimizer_step.py [--repeats 15] [--threads N] [--json out.json]
+
+Step benchmark: 12 layers x (W_Q, W_K), each 12 heads of St(768, 64).
+- StiefelAdam: 24 frame tensors of shape (12, 768, 64), trust region on and off;
+- torch.optim.AdamW(foreach=True): the same numbers laid out as ordinary weights, 24 matrices
+  of shape (768, 768) (what nn.Linear(768, 768) holds for 12 heads of 64);
+- geoopt.optim.RiemannianAdam on geoopt.EuclideanStiefel, 24 tensors (12, 768, 64), if geoopt
+  is installed (`pip install stiefel-attention[bench]`).
+Methods are timed round-robin (one step of each per round), so machine noise hits all of them
+alike; we report medians and ratios of medians. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from stiefel_attention import PatchViT, StiefelAdam, build_optimizer, random_frame
+
+LAYERS, HEADS, D_MODEL, HEAD_DIM = 12, 12, 768, 64
+
+
+def _round_robin(fns: dict, repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def optimizer_step_benchmark(repeats: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(0)
+    frames = [random_frame(HEADS, d=D_MODEL, r=HEAD_DIM, generator=gen) for _ in range(2 * LAYERS)]
+    grads = [torch.randn(f.shape, generator=gen) * 1e-2 for f in frames]
+
+    def with_grads(tensors):
+        params = [t.clone().requires_grad_() for t in tensors]
+        for p, g in zip(params, grads):
+            p.grad = g.reshape(p.shape).clone()
+        return params
+
+    ordinary = [f.permute(1, 0, 2).reshape(D_MODEL, HEADS * HEAD_DIM) for f in frames]  # (768, 768)
+    fns = {
+        "AdamW(foreach)": torch.optim.AdamW(with_grads(ordinary), lr=1e-3, foreach=True).step,
+        "StiefelAdam(max_step=0.1)": StiefelAdam(with_grads(frames), lr=1e-2, max_step=0.1).step,
+        "StiefelAdam(no cap)": StiefelAdam(with_grads(frames), lr=1e-2).step,
+    }
+    try:
+        import geoopt
+
+        manifold = geoopt.EuclideanStiefel()
+        gparams = [geoopt.ManifoldParameter(f.clone(), manifold=manifold) for f in frames]
+        for p, g in zip(gparams, grads):
+            p.grad = g.clone()
+        fns["geoopt RiemannianAdam"] = geoopt.optim.RiemannianAdam(gparams, lr=1e-2).step
+    except ImportError:
+        print("geoopt not installed: pip install 'stiefel-attention[bench]' to compare against it")
+    times = _round_robin(fns, repeats)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def training_step_benchmark(repeats: int, batch: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, 32, 32, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    fns = {}
+    for arm, qk in (("adamw", "euclidean"), ("stiefel-adam", "stiefel")):
+        torch.manual_seed(0)
+        model = PatchViT(qk=qk)
+        opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.05, frame_lr=1e-2)
+
+        def step(model=model, opt=opt):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        fns[arm] = step
+    times = _round_robin(fns, repeats)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--batch", type=int, default=128, help="batch size of the training-step benchmark")
+    ap.add_argument("--json", default=None, help="also write the medians and ratios to this file")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+
+    print(f"\nOne optimizer step on {2 * LAYERS} x {HEADS} frames of St({D_MODEL}, {HEAD_DIM}) (median of {args.repeats}):")
+    step = optimizer_step_benchmark(args.repeats)
+    base = step["AdamW(foreach)"]
+    print(f"{'method':<28}{'median ms':>10}{'x AdamW':>9}")
+    for name, t in step.items():
+        print(f"{name:<28}{t * 1e3:>10.1f}{t / base:>9.2f}")
+    if "geoopt RiemannianAdam" in step:
+        g = step["geoopt RiemannianAdam"]
+        for name in ("StiefelAdam(max_step=0.1)", "StiefelAdam(no cap)"):
+            print(f"{name} is {g / step[name]:.2f}x faster than geoopt RiemannianAdam")
+
+    print(f"\nOne training step of the default PatchViT, batch {args.batch} (median of {args.repeats}):")
+    train = training_step_benchmark(args.repeats, args.batch)
+    overhead = train["stiefel-adam"] / train["adamw"] - 1.0
+    for name, t in train.items():
+        print(f"{name:<28}{t * 1e3:>10.1f} ms")
+    print(f"stiefel-adam overhead over adamw: {100 * overhead:+.1f}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"optimizer_step_s": step, "training_step_s": train, "overhead": overhead,
+                       "torch": torch.__version__, "threads": torch.get_num_threads()}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

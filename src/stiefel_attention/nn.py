@@ -1,0 +1,212 @@
+"""Attention whose query and key projections are frames on St(d_model, head_dim), and two models.
+
+Read top to bottom: `StiefelAttention`, the transformer `Block`, `PatchViT` (CIFAR-10),
+`ModularTransformer` (grokking), then helpers that find a model's frames.
+
+Pairing: every arm of an experiment builds the same model from the same seed. To keep every
+parameter other than W_Q, W_K identical across arms, `StiefelAttention` draws BOTH the
+orthonormal frames and the usual nn.Linear initialisation in every mode, in the same order, and
+keeps the one its `qk_init` asks for; the global RNG stream is therefore the same in all arms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .manifold import random_frame
+
+__all__ = ["QK_MODES", "QK_INITS", "StiefelAttention", "Block", "PatchViT", "ModularTransformer", "frames", "qk_matrices"]
+
+QK_MODES = ("stiefel", "euclidean", "frozen")
+QK_INITS = ("standard", "orthonormal")
+
+
+class StiefelAttention(nn.Module):
+    """Multi-head self-attention with W_Q, W_K stored as frames of shape (n_heads, d_model, head_dim).
+
+    qk="stiefel": W_Q, W_K are trainable frames (step them with StiefelAdam/StiefelSGD).
+    qk="euclidean": the same tensors as ordinary weights (step them with AdamW).
+    qk="frozen": orthonormal and never trained (requires_grad=False).
+    qk_init="standard" is nn.Linear's default initialisation (U(-1/sqrt(d), 1/sqrt(d))), what
+    users have today; "orthonormal" starts from exactly the frames the Stiefel arm starts from.
+    W_V and W_O are ordinary nn.Linear layers in every mode.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        qk: str = "stiefel",
+        qk_init: str | None = None,
+        causal: bool = False,
+        bias: bool = True,
+    ):
+        super().__init__()
+        if qk not in QK_MODES:
+            raise ValueError(f"qk must be one of {QK_MODES}, got {qk!r}")
+        qk_init = qk_init or ("standard" if qk == "euclidean" else "orthonormal")
+        if qk_init not in QK_INITS:
+            raise ValueError(f"qk_init must be one of {QK_INITS}, got {qk_init!r}")
+        if qk in ("stiefel", "frozen") and qk_init != "orthonormal":
+            raise ValueError(f"qk={qk!r} needs orthonormal frames; qk_init='standard' is only for qk='euclidean'")
+        if head_dim > d_model:
+            raise ValueError(f"head_dim={head_dim} > d_model={d_model}: a frame in St(d, r) needs r <= d")
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
+        self.qk, self.qk_init, self.causal = qk, qk_init, causal
+
+        # Both initialisations are drawn in every mode (see the module docstring).
+        ortho = random_frame(2, n_heads, d=d_model, r=head_dim)  # (2, H, D, r)
+        bound = 1.0 / math.sqrt(d_model)
+        standard = torch.empty(2, n_heads, d_model, head_dim).uniform_(-bound, bound)
+        init = ortho if qk_init == "orthonormal" else standard
+        trainable = qk != "frozen"
+        self.w_q = nn.Parameter(init[0].clone(), requires_grad=trainable)  # (H, D, r)
+        self.w_k = nn.Parameter(init[1].clone(), requires_grad=trainable)  # (H, D, r)
+        self.w_v = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+
+    def _heads(self, x: Tensor, w: Tensor) -> Tensor:
+        B, N, _ = x.shape
+        # (H, D, r) -> (D, H*r): one matmul for all heads
+        flat = w.permute(1, 0, 2).reshape(self.d_model, self.n_heads * self.head_dim)
+        return (x @ flat).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, _ = x.shape  # (B, N, D)
+        q = self._heads(x, self.w_q)  # (B, H, N, r)
+        k = self._heads(x, self.w_k)  # (B, H, N, r)
+        v = self.w_v(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, H, N, r)
+        return self.w_o(y.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))  # (B, N, D)
+
+    def frame_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The tensors that hold W_Q, W_K, whatever the mode."""
+        return [("w_q", self.w_q), ("w_k", self.w_k)]
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, qk={self.qk}, qk_init={self.qk_init}, causal={self.causal}"
+
+
+class Block(nn.Module):
+    """Transformer block; pre-norm when layernorm=True, plain residual otherwise."""
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, d_mlp: int, qk: str, qk_init: str | None,
+                 causal: bool = False, layernorm: bool = True, bias: bool = True):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model) if layernorm else nn.Identity()
+        self.attn = StiefelAttention(d_model, n_heads, head_dim, qk=qk, qk_init=qk_init, causal=causal, bias=bias)
+        self.ln2 = nn.LayerNorm(d_model) if layernorm else nn.Identity()
+        self.mlp = nn.Sequential(nn.Linear(d_model, d_mlp, bias=bias), nn.GELU() if layernorm else nn.ReLU(),
+                                 nn.Linear(d_mlp, d_model, bias=bias))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class PatchViT(nn.Module):
+    """A small vision transformer for 32x32 images: patchify, pre-norm blocks, mean pooling, head."""
+
+    def __init__(
+        self,
+        image_size: int = 32,
+        patch_size: int = 4,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        d_model: int = 64,
+        depth: int = 2,
+        n_heads: int = 4,
+        head_dim: int = 16,
+        mlp_ratio: int = 2,
+        qk: str = "stiefel",
+        qk_init: str | None = None,
+    ):
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
+        n_patches = (image_size // patch_size) ** 2
+        self.patchify = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size)
+        self.pos = nn.Parameter(torch.randn(1, n_patches, d_model) * 0.02)
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, head_dim, mlp_ratio * d_model, qk=qk, qk_init=qk_init) for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patchify(images)  # (B, D, H/p, W/p)
+        x = x.flatten(2).transpose(1, 2) + self.pos  # (B, N, D)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(dim=1))  # (B, num_classes)
+
+
+class ModularTransformer(nn.Module):
+    """The grokking model: tokens (a, b, "=") -> logits over the p residues at the "=" position.
+
+    Defaults follow the usual reference setup: 1 layer, d_model 128, 4 heads of 32, MLP 512,
+    no LayerNorm, no biases, causal attention, learned positional embeddings.
+    """
+
+    def __init__(
+        self,
+        p: int,
+        d_model: int = 128,
+        n_heads: int = 4,
+        head_dim: int = 32,
+        d_mlp: int = 512,
+        n_layers: int = 1,
+        layernorm: bool = False,
+        qk: str = "stiefel",
+        qk_init: str | None = None,
+    ):
+        super().__init__()
+        self.p = p
+        self.embed = nn.Embedding(p + 1, d_model)  # residues 0..p-1 and "=" (token p)
+        self.pos = nn.Parameter(torch.randn(3, d_model) / math.sqrt(d_model))
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, head_dim, d_mlp, qk=qk, qk_init=qk_init, causal=True, layernorm=layernorm, bias=False)
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d_model) if layernorm else nn.Identity()
+        self.unembed = nn.Linear(d_model, p, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) + self.pos  # (B, 3, D)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(self.norm(x[:, -1]))  # (B, p)
+
+
+def _attention_modules(model: nn.Module):
+    for name, module in model.named_modules():
+        if isinstance(module, StiefelAttention):
+            yield name, module
+
+
+def frames(model: nn.Module, include_frozen: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """(qualified name, parameter) of every Stiefel frame tensor in the model.
+
+    These are the parameters that a Stiefel optimizer must step; with include_frozen, the
+    frozen frames too (for isometry logging).
+    """
+    modes = ("stiefel", "frozen") if include_frozen else ("stiefel",)
+    out = []
+    for name, module in _attention_modules(model):
+        if module.qk in modes:
+            out += [(f"{name}.{pname}" if name else pname, p) for pname, p in module.frame_parameters()]
+    return out
+
+
+def qk_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(qualified name, parameter) of every W_Q, W_K tensor, whatever its mode."""
+    return [
+        (f"{name}.{pname}" if name else pname, p)
+        for name, module in _attention_modules(model)
+        for pname, p in module.frame_parameters()
+    ]
