@@ -1,0 +1,162 @@
+"""The `stiefel-attention` command.
+
+    stiefel-attention certify [--json PATH] [--seed N]   float64 certification of the propositions
+    stiefel-attention demo [--steps N]                   a tiny training run, adamw vs stiefel-adam
+    stiefel-attention cifar --experiment NAME --profile smoke|cpu|paper [--seeds N] [--out DIR] [--data PATH]
+
+Bad arguments and data problems end in one clear line on stderr and a non-zero exit, never a
+traceback (set STIEFEL_ATTENTION_DEBUG=1 to see the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+EXIT_FAILED_CHECK = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for, reported as one line."""
+
+
+def _cmd_certify(args: argparse.Namespace) -> int:
+    from .certify import certify, format_table, to_json
+
+    t0 = time.perf_counter()
+    results = certify(seed=args.seed)
+    print(format_table(results))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    if args.json:
+        try:
+            to_json(results, args.json, args.seed)
+        except OSError as err:
+            raise UsageError(f"cannot write --json {args.json}: {err.strerror}") from None
+        print(f"wrote {args.json}")
+    return 0 if all(c.passed for c in results) else EXIT_FAILED_CHECK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Train the default PatchViT on a synthetic 10-class image task with two arms, same seed."""
+    import torch.nn.functional as F
+
+    from .manifold import isometry_error
+    from .nn import PatchViT, qk_matrices
+    from .optim import arm_spec, build_optimizer
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    torch.set_flush_denormal(True)
+    gen = torch.Generator().manual_seed(0)
+    # Class templates plus noise: learnable in a few dozen steps, no download needed.
+    templates = torch.randn(10, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (2048,), generator=gen)
+    images = templates[labels] + 2.0 * torch.randn(2048, 3, 32, 32, generator=gen)
+    for arm in ("adamw", "stiefel-adam"):
+        spec = arm_spec(arm)
+        torch.manual_seed(0)
+        model = PatchViT(qk=spec.qk, qk_init=spec.qk_init)
+        opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.05, frame_lr=1e-2)
+        order = torch.Generator().manual_seed(1)
+        t0 = time.perf_counter()
+        for step in range(1, args.steps + 1):
+            idx = torch.randint(0, 2048, (64,), generator=order)
+            loss = F.cross_entropy(model(images[idx]), labels[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            acc = (model(images[:512]).argmax(-1) == labels[:512]).float().mean().item()
+        # ||W^T W - I||_F of W_Q/W_K: ~1e-6 for frames, O(1) for the Euclidean arm's matrices
+        iso = max(float(isometry_error(p)) for _, p in qk_matrices(model))
+        print(f"{arm:<13} steps={args.steps} loss={loss.item():.3f} train-acc={acc:.3f} "
+              f"Q/K isometry error={iso:.1e} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _executor(jobs: int | None):
+    from .runner import InlineExecutor, LocalExecutor
+
+    if jobs is not None and jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {jobs}")
+    return InlineExecutor() if jobs == 1 else LocalExecutor(jobs)
+
+
+def _cmd_cifar(args: argparse.Namespace) -> int:
+    from .data import DataError, load_cifar10
+    from .experiments import cifar
+    from .report import write_cifar_report
+    from .runner import run_cells
+
+    seeds = args.seeds if args.seeds is not None else (2 if args.profile == "smoke" else 12)
+    cells = cifar.cells(args.experiment, args.profile, seeds, n=args.n)
+    try:  # fail fast, in this process, with the data module's message; also builds the cache once
+        ds = load_cifar10(args.data)
+    except DataError as err:
+        raise UsageError(str(err)) from None
+    options = {"data": ds.source, "device": args.device}
+    cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
+    out = Path(args.out)
+    print(f"cifar {args.experiment}: {len(cells)} runs ({seeds} seeds, profile {args.profile}), data {ds.source}, records in {out / 'runs'}")
+    records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
+                                  desc=f"cifar {args.experiment}")
+    finished = [records[c.key] for c in cells if c.key in records]
+    summary = write_cifar_report(out, args.experiment, finished, args.profile)
+    print((out / args.experiment / "summary.md").read_text())
+    for cell, err in failures:
+        print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stiefel-attention", description="Stiefel attention: library and benchmark suite.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("certify", help="certify the propositions numerically in float64")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random instances (default 0)")
+    p.set_defaults(func=_cmd_certify)
+
+    p = sub.add_parser("demo", help="a tiny training run: adamw vs stiefel-adam on synthetic images")
+    p.add_argument("--steps", type=int, default=60, help="training steps per arm (default 60)")
+    p.set_defaults(func=_cmd_demo)
+
+    from .experiments.cifar import EXPERIMENTS, PROFILES
+
+    p = sub.add_parser("cifar", help="CIFAR-10 patch benchmark experiments (paired seeds)")
+    p.add_argument("--experiment", required=True, choices=EXPERIMENTS)
+    p.add_argument("--profile", default="cpu", choices=list(PROFILES), help="model/training size (default cpu)")
+    p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default 12; 2 for smoke)")
+    p.add_argument("--n", type=int, default=None, help="training images for main/ablation/eps (default: the profile's)")
+    p.add_argument("--out", default="results/cifar", help="results folder; runs/ inside is shared by experiments")
+    p.add_argument("--data", default=None, help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: one per core; 1 runs in this process)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_cifar)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted; finished runs are on disk", file=sys.stderr)
+        return 130
+    except (UsageError, ValueError, OSError) as err:
+        if os.environ.get("STIEFEL_ATTENTION_DEBUG"):
+            raise
+        print(f"stiefel-attention {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

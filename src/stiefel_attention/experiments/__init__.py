@@ -1,0 +1,1 @@
+"""Experiment families: one readable file each, with `run(config)` and the cells of each experiment."""

@@ -1,0 +1,273 @@
+"""CIFAR-10 patch benchmark: one training run per (arm, seed, variant), and the cells of each experiment.
+
+`run(config) -> result` trains a PatchViT on a class-balanced subset of n training images and
+evaluates on the full 10,000-image test split (or, for the learning-rate sweep only, on a
+validation split carved from train). Pairing: the seed drives three independent generators,
+model init (the global RNG while the model is built), the training subset, and the data order
+(shuffles and flips), so arms of one seed see identical data, in identical order, from
+identical initial weights everywhere except W_Q, W_K.
+
+Profiles: `smoke` runs in seconds (tests); `cpu` is sized for 2 CPU cores (one n=10k run in
+about a minute with one thread); `paper` is a larger model for a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ..data import balanced_subset, load_cifar10, normalize, train_val_split
+from ..manifold import isometry_error
+from ..nn import PatchViT, qk_matrices
+from ..optim import arm_spec, build_optimizer
+from ..runner import Cell
+
+# Learning rates were chosen once per profile by the `lr-sweep` experiment on a validation
+# split carved from train (results/cifar/lr-sweep/); they are then fixed for every experiment.
+PROFILES: dict[str, dict] = {
+    "smoke": dict(
+        model=dict(patch_size=8, d_model=32, depth=1, n_heads=2, head_dim=8, mlp_ratio=2),
+        n_main=500, epochs=2, batch_size=64, eval_every=1, n_val=200, lr=2e-3, frame_lr=1e-2, sgd_frame_lr=0.3,
+        weight_decay=0.05, max_step=0.1, warmup_epochs=0, n_test=1000,
+    ),
+    # One n=10k run: 20 epochs x ~2 s + 10 evaluations x ~1.3 s on one thread (measured): ~1 min.
+    # Patch 8 gives 16 tokens, enough for attention to matter while keeping 2 cores busy for an hour
+    # per 60 runs rather than a day.
+    "cpu": dict(
+        model=dict(patch_size=8, d_model=64, depth=2, n_heads=4, head_dim=16, mlp_ratio=2),
+        n_main=10000, epochs=20, batch_size=128, eval_every=2, n_val=5000, lr=2e-3, frame_lr=1e-2, sgd_frame_lr=0.3,
+        weight_decay=0.05, max_step=0.1, warmup_epochs=1, n_test=None,
+    ),
+    # For a GPU; its learning rates have not been swept (they are the cpu profile's).
+    "paper": dict(
+        model=dict(patch_size=4, d_model=256, depth=6, n_heads=8, head_dim=32, mlp_ratio=2),
+        n_main=10000, epochs=100, batch_size=256, eval_every=5, n_val=5000, lr=2e-3, frame_lr=1e-2, sgd_frame_lr=0.3,
+        weight_decay=0.05, max_step=0.1, warmup_epochs=5, n_test=None,
+    ),
+}
+
+MAIN_ARMS = ("adamw", "adamw-orthoinit", "stiefel-adam", "stiefel-sgd", "frozen")
+ABLATION_ARMS = ("stiefel-adam", "no-projector", "coordinate-moment", "stiefel-sgd", "adamw")
+SCALING_NS = (1000, 5000, 10000, 50000)
+EPS_VALUES = (1e-8, 1e-4, 1e-3, 1e-2, 0.1)
+EXPERIMENTS = ("main", "scaling", "ablation", "eps", "movement", "lr-sweep")
+
+
+def epochs_for(n: int, profile: dict) -> int:
+    """The profile's epochs, raised for n below the main experiment's n so that every run takes at
+    least as many steps as a main run (small n would otherwise be compared after a fraction of the
+    optimisation)."""
+    return max(profile["epochs"], math.ceil(profile["epochs"] * profile["n_main"] / n))
+
+
+def make_config(profile_name: str, arm: str, seed: int, n: int, split: str = "test", **overrides) -> dict:
+    """The resolved config of one run: every hyper-parameter after profile and overrides."""
+    if profile_name not in PROFILES:
+        raise ValueError(f"unknown profile {profile_name!r}; choose one of {', '.join(PROFILES)}")
+    arm_spec(arm)  # validates
+    prof = copy.deepcopy(PROFILES[profile_name])
+    frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
+    # The trust region belongs to the paper's Adam rule; the fixed-step SGD arm stays degree one in
+    # the gradient (a binding cap would make it partly scale free).
+    max_step = prof["max_step"] if arm_spec(arm).frame_rule == "adam" else None
+    cfg = dict(
+        profile=profile_name, arm=arm, seed=seed, n_train=n, split=split, model=prof["model"],
+        epochs=epochs_for(n, prof), batch_size=prof["batch_size"], eval_every=prof["eval_every"],
+        lr=prof["lr"], frame_lr=frame_lr, weight_decay=prof["weight_decay"], betas=[0.9, 0.999],
+        eps=1e-8, frame_eps=1e-8, max_step=max_step, sgd_momentum=0.9, warmup_epochs=prof["warmup_epochs"],
+        schedule="cosine", flip=True, n_val=prof["n_val"], n_test=prof["n_test"],
+    )
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}")
+    cfg.update(overrides)
+    return cfg
+
+
+def _cell(cfg: dict) -> Cell:
+    variant = f"-n{cfg['n_train']}"
+    if cfg["frame_eps"] != 1e-8:
+        variant += f"-eps{cfg['frame_eps']:g}"
+    if cfg["split"] == "val":
+        variant += f"-val-lr{cfg['lr']:g}-flr{cfg['frame_lr']:g}"
+    return Cell("cifar", f"{cfg['arm']}-s{cfg['seed']}{variant}", cfg)
+
+
+# Grids of the learning-rate sweep (validation split, 2 seeds): AdamW's lr for the adamw arm,
+# then the frames' lr for each Stiefel rule with the non-frame parameters at the profile's lr.
+LR_GRID = (5e-4, 1e-3, 2e-3, 4e-3)
+FRAME_LR_GRID = {"stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1), "stiefel-sgd": (0.03, 0.1, 0.3, 1.0)}
+
+
+def cells(experiment: str, profile: str, seeds: int, n: int | None = None) -> list[Cell]:
+    """The runs an experiment needs. Seeds are 0..seeds-1, shared (paired) across arms."""
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    n_main = n or PROFILES[profile]["n_main"]
+    out: list[Cell] = []
+    S = range(seeds)
+    if experiment in ("main", "movement"):
+        arms = MAIN_ARMS if experiment == "main" else ("adamw", "stiefel-sgd", "stiefel-adam")
+        out = [_cell(make_config(profile, a, s, n_main)) for a in arms for s in S]
+    elif experiment == "scaling":
+        ns = (200, 500) if profile == "smoke" else SCALING_NS
+        out = [_cell(make_config(profile, a, s, k)) for k in ns for a in ("adamw", "stiefel-adam") for s in S]
+    elif experiment == "ablation":
+        out = [_cell(make_config(profile, a, s, n_main)) for a in ABLATION_ARMS for s in S]
+    elif experiment == "eps":
+        out = [_cell(make_config(profile, "stiefel-adam", s, n_main, frame_eps=e)) for e in EPS_VALUES for s in S]
+    elif experiment == "lr-sweep":
+        out = [_cell(make_config(profile, "adamw", s, n_main, split="val", lr=lr)) for lr in LR_GRID for s in S]
+        for arm, grid in FRAME_LR_GRID.items():
+            out += [_cell(make_config(profile, arm, s, n_main, split="val", frame_lr=f)) for f in grid for s in S]
+    else:
+        raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(EXPERIMENTS)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=2)
+def _dataset(data: str | None):
+    return load_cifar10(data)
+
+
+def _generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
+    # Independent streams for the subset and the order; the model init uses torch.manual_seed(seed).
+    subset = torch.Generator().manual_seed(1_000_003 * seed + 1)
+    order = torch.Generator().manual_seed(1_000_003 * seed + 2)
+    return subset, order
+
+
+def split_indices(labels: torch.Tensor, cfg: dict, subset_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Training indices (class-balanced, n of them) and, for split='val', validation indices.
+
+    The validation split is carved from train with a generator fixed independently of the seed,
+    so every sweep run is scored on the same held-out images, none of them in the test split.
+    """
+    if cfg["split"] == "val":
+        train_pool, val_idx = train_val_split(labels, cfg["n_val"], torch.Generator().manual_seed(12345))
+        sub = balanced_subset(labels[train_pool], cfg["n_train"], subset_gen)
+        return train_pool[sub], val_idx
+    if cfg["split"] != "test":
+        raise ValueError(f"split must be 'test' or 'val', got {cfg['split']!r}")
+    return balanced_subset(labels, cfg["n_train"], subset_gen), None
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), batch):
+        correct += int((model(x[i : i + batch]).argmax(-1) == y[i : i + batch]).sum())
+    model.train()
+    return correct / len(x)
+
+
+def _lr_lambda(cfg: dict, steps_per_epoch: int):
+    total = cfg["epochs"] * steps_per_epoch
+    warm = cfg["warmup_epochs"] * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def run(cfg: dict, data: str | None = None, device: str | None = None, progress=None) -> dict:
+    """Train one cell; return metrics, per-epoch curves, movement statistics and timings."""
+    t_start = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ds = _dataset(str(data) if data else None)
+    subset_gen, order_gen = _generators(cfg["seed"])
+    train_idx, val_idx = split_indices(ds.train_y, cfg, subset_gen)
+    x_train = normalize(ds.train_x[train_idx]).to(device)  # (n, 3, 32, 32)
+    y_train = ds.train_y[train_idx].to(device)
+    if val_idx is not None:
+        x_eval, y_eval = normalize(ds.train_x[val_idx]).to(device), ds.train_y[val_idx].to(device)
+    else:
+        test_idx = torch.arange(len(ds.test_y))
+        if cfg["n_test"]:  # smoke runs only: a fixed class-balanced part of test (files are sorted by class)
+            test_idx = balanced_subset(ds.test_y, cfg["n_test"], torch.Generator().manual_seed(0))
+        x_eval, y_eval = normalize(ds.test_x[test_idx]).to(device), ds.test_y[test_idx].to(device)
+
+    spec = arm_spec(cfg["arm"])
+    torch.manual_seed(cfg["seed"])
+    model = PatchViT(**cfg["model"], qk=spec.qk, qk_init=spec.qk_init).to(device)
+    opt = build_optimizer(
+        model, cfg["arm"], lr=cfg["lr"], weight_decay=cfg["weight_decay"], frame_lr=cfg["frame_lr"],
+        betas=tuple(cfg["betas"]), eps=cfg["eps"], frame_eps=cfg["frame_eps"], max_step=cfg["max_step"],
+        sgd_momentum=cfg["sgd_momentum"],
+    )
+    n = len(y_train)
+    steps_per_epoch = max(1, n // cfg["batch_size"])  # drop the ragged last batch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, steps_per_epoch))
+    qk = [p for _, p in qk_matrices(model)]  # each (H, D, r): H matrices of one head's shape
+
+    curves = {"epoch": [], "train_loss": [], "train_acc": [], "eval_acc": [], "movement_median": []}
+    t_train = 0.0
+    for epoch in range(1, cfg["epochs"] + 1):
+        t0 = time.perf_counter()
+        perm = torch.randperm(n, generator=order_gen).to(device)
+        flips = (torch.rand(n, generator=order_gen) < 0.5).to(device) if cfg["flip"] else None
+        loss_sum, correct, seen, moves = 0.0, 0, 0, []
+        for b in range(steps_per_epoch):
+            idx = perm[b * cfg["batch_size"] : (b + 1) * cfg["batch_size"]]
+            xb, yb = x_train[idx], y_train[idx]
+            if flips is not None:
+                xb = torch.where(flips[idx, None, None, None], xb.flip(-1), xb)
+            logits = model(xb)
+            loss = F.cross_entropy(logits, yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            before = [p.detach().clone() for p in qk]
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                # Frobenius movement of each head's W_Q / W_K matrix (d_model x head_dim) this step
+                per_head = torch.cat([torch.linalg.matrix_norm(p.detach() - q) for p, q in zip(qk, before)])
+                moves.append(float(per_head.mean()))
+            loss_sum += float(loss.detach()) * len(yb)
+            correct += int((logits.argmax(-1) == yb).sum())
+            seen += len(yb)
+        t_train += time.perf_counter() - t0
+        if epoch % cfg["eval_every"] == 0 or epoch == cfg["epochs"]:
+            curves["epoch"].append(epoch)
+            curves["train_loss"].append(loss_sum / seen)
+            curves["train_acc"].append(correct / seen)
+            curves["eval_acc"].append(evaluate(model, x_eval, y_eval))
+            curves["movement_median"].append(statistics.median(moves))
+        if progress is not None:
+            progress(epoch, cfg["epochs"])
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"training loss became {loss_sum} at epoch {epoch}")
+
+    iso = max(float(isometry_error(p)) for p in qk)
+    return {
+        "data_source": ds.source,
+        "metrics": {
+            "final_eval_acc": curves["eval_acc"][-1],
+            "best_eval_acc": max(curves["eval_acc"]),
+            "eval_split": cfg["split"],
+            "final_train_loss": curves["train_loss"][-1],
+            "qk_isometry_error": iso,
+            "movement_median": statistics.median(curves["movement_median"]),
+        },
+        "curves": curves,
+        "timings": {"train_s": t_train, "total_s": time.perf_counter() - t_start, "device": str(device),
+                    "threads": torch.get_num_threads()},
+    }

@@ -1,0 +1,295 @@
+"""Records -> summary.json -> summary.md + PNG plots, beside the paper's claimed numbers.
+
+Everything here is computed from run records alone (the JSON files under runs/), so a report
+can be rebuilt at any time, and partially finished experiments report what they have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from . import claims
+from .runner import write_json_atomic
+from .stats import describe, paired_comparison
+
+__all__ = ["cifar_summary", "write_cifar_report", "verdict", "load_records"]
+
+
+def load_records(runs_dir: str | Path, family: str | None = None) -> list[dict]:
+    out = []
+    for path in sorted(Path(runs_dir).glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+        if family is None or rec.get("family") == family:
+            out.append(rec)
+    return out
+
+
+def verdict(kind: str, paper: float | None, st: dict) -> str:
+    """A plain-words verdict: what both tests support, and whether the paper's size is inside the CI."""
+    if kind == "control" or paper is None:
+        return "control (no paper number)"
+    if st["n_seeds"] < 2 or math.isnan(st.get("p_t", math.nan)) and math.isnan(st.get("p_wilcoxon", math.nan)):
+        return "too few seeds to test"
+    lo, hi = st["ci95"]
+    if kind == "null":
+        if st["supported"]:
+            return f"does not replicate: significant difference {st['mean_diff']:+.2f} pp (both tests p<0.05)"
+        return "replicates: no significant difference"
+    if not st["supported"]:
+        return "does not replicate: no significant difference by both tests"
+    if (st["mean_diff"] > 0) != (paper > 0):
+        return "does not replicate: significant effect of the opposite sign"
+    if lo <= paper <= hi:
+        return "replicates: significant, and the paper's size lies in the 95% CI"
+    return f"direction replicates, size does not: paper {paper:+.2f} pp outside the 95% CI [{lo:+.2f}, {hi:+.2f}]"
+
+
+def _acc_pp(rec: dict) -> float:
+    return 100.0 * rec["metrics"]["final_eval_acc"]
+
+
+def _by_arm_seed(records: list[dict], label) -> dict[str, dict[int, float]]:
+    table: dict[str, dict[int, float]] = defaultdict(dict)
+    for rec in records:
+        table[label(rec["config"])][rec["config"]["seed"]] = _acc_pp(rec)
+    return table
+
+
+def _compare(table: dict[str, dict[int, float]], arm: str, baseline: str) -> dict | None:
+    if arm not in table or baseline not in table:
+        return None
+    seeds = sorted(set(table[arm]) & set(table[baseline]))
+    st = paired_comparison([table[arm][s] for s in seeds], [table[baseline][s] for s in seeds])
+    st["seeds"] = seeds
+    st["diffs"] = [table[arm][s] - table[baseline][s] for s in seeds]
+    return st
+
+
+def cifar_summary(experiment: str, records: list[dict]) -> dict:
+    """Per-arm accuracy and paired comparisons (percentage points) for one CIFAR experiment."""
+    summary: dict = {"experiment": experiment, "n_records": len(records), "comparisons": [], "arms": {}}
+    if experiment in ("main", "ablation", "eps"):
+        label = (lambda c: f"eps={c['frame_eps']:g}") if experiment == "eps" else (lambda c: c["arm"])
+        table = _by_arm_seed(records, label)
+        summary["arms"] = {arm: describe(list(v.values())) for arm, v in sorted(table.items())}
+        comps = list(claims.CIFAR_COMPARISONS[experiment])
+        if experiment == "eps":  # every eps value against 1e-8, the paper's targeted point flagged
+            comps = [c for c in comps] + [
+                dict(arm=a, baseline="eps=1e-08", kind="control", paper=None, text="eps sweep point")
+                for a in sorted(table) if a not in ("eps=1e-08", "eps=0.1")
+            ]
+        for comp in comps:
+            st = _compare(table, comp["arm"], comp["baseline"])
+            if st is not None:
+                summary["comparisons"].append({**comp, **st, "verdict": verdict(comp["kind"], comp["paper"], st)})
+    elif experiment == "scaling":
+        by_n: dict[int, list[dict]] = defaultdict(list)
+        for rec in records:
+            by_n[rec["config"]["n_train"]].append(rec)
+        for n in sorted(by_n):
+            table = _by_arm_seed(by_n[n], lambda c: c["arm"])
+            summary["arms"][str(n)] = {arm: describe(list(v.values())) for arm, v in sorted(table.items())}
+            st = _compare(table, "stiefel-adam", "adamw")
+            if st is not None:
+                paper = claims.CIFAR_SCALING_PAPER.get(n)
+                kind = "effect" if paper is not None else "control"
+                summary["comparisons"].append(dict(arm="stiefel-adam", baseline="adamw", n_train=n, kind=kind,
+                                                   paper=paper, text=claims.CIFAR_SCALING_TEXT, **st,
+                                                   verdict=verdict(kind, paper, st)))
+        leads = [(c["n_train"], c["mean_diff"]) for c in summary["comparisons"]]
+        if len(leads) >= 2:
+            summary["lead_grows_with_n"] = all(b[1] > a[1] for a, b in zip(leads, leads[1:]))
+    elif experiment == "movement":
+        summary.update(_movement_summary(records))
+    elif experiment == "lr-sweep":
+        summary.update(_lr_sweep_summary(records))
+    else:
+        raise ValueError(f"unknown experiment {experiment!r}")
+    return summary
+
+
+def _movement_summary(records: list[dict]) -> dict:
+    """Ratio of AdamW's per-step Q/K movement to each Stiefel arm's, per epoch, over paired seeds."""
+    curves: dict[str, dict[int, list[float]]] = defaultdict(dict)
+    for rec in records:
+        curves[rec["config"]["arm"]][rec["config"]["seed"]] = rec["curves"]["movement_median"]
+    out: dict = {"ratios": {}, "paper": list(claims.CIFAR_MOVEMENT_PAPER), "text": claims.CIFAR_MOVEMENT_TEXT}
+    base = curves.get("adamw", {})
+    for arm in ("stiefel-sgd", "stiefel-adam"):
+        seeds = sorted(set(base) & set(curves.get(arm, {})))
+        if not seeds:
+            continue
+        per_seed = [[b / a if a > 0 else math.inf for a, b in zip(curves[arm][s], base[s])] for s in seeds]
+        flat = sorted(r for seq in per_seed for r in seq)
+        median = flat[len(flat) // 2] if len(flat) % 2 else 0.5 * (flat[len(flat) // 2 - 1] + flat[len(flat) // 2])
+        lo, hi = claims.CIFAR_MOVEMENT_PAPER
+        out["ratios"][arm] = {
+            "seeds": seeds, "per_epoch": per_seed, "median": median, "min": flat[0], "max": flat[-1],
+            "verdict": (f"replicates: median {median:.1f}x within the paper's {lo:g}-{hi:g}x" if lo <= median <= hi
+                        else f"does not replicate: median {median:.1f}x (range {flat[0]:.1f}-{flat[-1]:.1f}x) vs the paper's {lo:g}-{hi:g}x")
+            if arm == "stiefel-sgd" else "for reference (the paper's claim is about the fixed-step rule)",
+        }
+    return out
+
+
+def _lr_sweep_summary(records: list[dict]) -> dict:
+    """Mean validation accuracy per (arm, learning rate); the best per arm is the profile's choice."""
+    acc: dict[tuple[str, float], list[float]] = defaultdict(list)
+    for rec in records:
+        c = rec["config"]
+        lr = c["lr"] if c["arm"] == "adamw" else c["frame_lr"]
+        acc[(c["arm"], lr)].append(_acc_pp(rec))
+    grid = [{"arm": a, "lr": lr, "which_lr": "lr" if a == "adamw" else "frame_lr", **describe(v)}
+            for (a, lr), v in sorted(acc.items())]
+    best = {}
+    for row in grid:
+        if row["arm"] not in best or row["mean"] > best[row["arm"]]["mean"]:
+            best[row["arm"]] = row
+    return {"grid": grid, "chosen": {a: {"which_lr": r["which_lr"], "lr": r["lr"], "val_acc_mean": r["mean"]} for a, r in best.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown and plots
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt_p(p: float) -> str:
+    return "n/a" if p is None or math.isnan(p) else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
+
+
+def _md_comparisons(summary: dict) -> list[str]:
+    lines = ["| comparison | paper claim | measured mean diff (pp) | 95% CI | t | p (t) | p (Wilcoxon) | wins | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in summary["comparisons"]:
+        name = f"{c['arm']} vs {c['baseline']}" + (f" (n={c['n_train']})" if "n_train" in c else "")
+        paper = c["text"] if c.get("paper") is None else f"{c['paper']:+.2f} pp — {c['text']}"
+        lo, hi = c["ci95"]
+        lines.append(f"| {name} | {paper} | {c['mean_diff']:+.2f} | [{lo:+.2f}, {hi:+.2f}] | "
+                     f"{c['t']:.2f} | {_fmt_p(c['p_t'])} | {_fmt_p(c['p_wilcoxon'])} | {c['wins']}/{c['n_seeds']} | {c['verdict']} |")
+    return lines
+
+
+def summary_markdown(summary: dict, profile: str) -> str:
+    exp = summary["experiment"]
+    lines = [f"# CIFAR-10 (JPEG mirror) — `{exp}`, profile `{profile}`", "",
+             f"{summary['n_records']} finished runs. Accuracies are final test accuracy in percent "
+             "(the lr sweep alone uses a validation split carved from train). Differences are paired by seed.", ""]
+    if summary.get("arms"):
+        lines += ["| arm | n seeds | mean acc (%) | std |", "|---|---|---|---|"]
+        for arm, d in summary["arms"].items():
+            if "mean" in d:
+                lines.append(f"| {arm} | {d['n']} | {d['mean']:.2f} | {d['std']:.2f} |")
+            else:  # scaling: per n
+                for a, dd in d.items():
+                    lines.append(f"| {a} (n={arm}) | {dd['n']} | {dd['mean']:.2f} | {dd['std']:.2f} |")
+        lines.append("")
+    if summary.get("comparisons"):
+        lines += _md_comparisons(summary) + [""]
+    if "lead_grows_with_n" in summary:
+        lines += [f"Lead of stiefel-adam over adamw increases monotonically with n: **{summary['lead_grows_with_n']}** "
+                  f"(paper: {claims.CIFAR_SCALING_TEXT}).", ""]
+    if exp == "movement":
+        lines += [f"Paper: {summary['text']}.", "", "| arm | adamw / arm per-step movement: median | min | max | verdict |", "|---|---|---|---|---|"]
+        for arm, r in summary["ratios"].items():
+            lines.append(f"| {arm} | {r['median']:.1f}x | {r['min']:.1f}x | {r['max']:.1f}x | {r['verdict']} |")
+        lines.append("")
+    if exp == "lr-sweep":
+        lines += ["| arm | learning rate | mean val acc (%) | n |", "|---|---|---|---|"]
+        for row in summary["grid"]:
+            lines.append(f"| {row['arm']} | {row['which_lr']}={row['lr']:g} | {row['mean']:.2f} | {row['n']} |")
+        lines += ["", "Chosen (highest mean validation accuracy): " + ", ".join(
+            f"{a}: {r['which_lr']}={r['lr']:g}" for a, r in summary["chosen"].items()), ""]
+    for plot in summary.get("plots", []):
+        lines.append(f"![{plot}]({plot})")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(summary: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    exp = summary["experiment"]
+    comps = summary.get("comparisons", [])
+    if exp in ("main", "ablation", "eps") and comps:
+        fig, ax = plt.subplots(figsize=(7, 0.6 * len(comps) + 1.5))
+        for i, c in enumerate(comps):
+            ax.scatter(c["diffs"], [i] * len(c["diffs"]), s=14, alpha=0.7, color="tab:blue")
+            lo, hi = c["ci95"]
+            ax.plot([lo, hi], [i, i], color="black", lw=2)
+            ax.plot([c["mean_diff"]], [i], "k|", ms=14)
+            if c.get("paper") is not None:
+                ax.plot([c["paper"]], [i], "r*", ms=10, label="paper" if i == 0 else None)
+        ax.axvline(0, color="gray", lw=0.8)
+        ax.set_yticks(range(len(comps)), [f"{c['arm']} − {c['baseline']}" for c in comps])
+        ax.set_xlabel("paired test-accuracy difference (pp): dots = seeds, bar = 95% CI, * = paper")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(out_dir / "paired_differences.png", dpi=120)
+        plt.close(fig)
+        made.append("paired_differences.png")
+    if exp == "eps" and summary.get("arms"):
+        pts = sorted((float(k.split("=")[1]), v) for k, v in summary["arms"].items())
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.errorbar([p[0] for p in pts], [p[1]["mean"] for p in pts], yerr=[p[1]["std"] for p in pts], marker="o", capsize=3)
+        ax.set_xscale("log")
+        ax.set_xlabel("StiefelAdam eps")
+        ax.set_ylabel("test accuracy (%), mean ± std over seeds")
+        fig.tight_layout()
+        fig.savefig(out_dir / "accuracy_vs_eps.png", dpi=120)
+        plt.close(fig)
+        made.append("accuracy_vs_eps.png")
+    if exp == "scaling" and summary.get("arms"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for arm in ("adamw", "stiefel-adam"):
+            pts = [(int(n), d[arm]) for n, d in summary["arms"].items() if arm in d]
+            pts.sort()
+            ax.errorbar([p[0] for p in pts], [p[1]["mean"] for p in pts], yerr=[p[1]["std"] for p in pts], marker="o", capsize=3, label=arm)
+        ax.set_xscale("log")
+        ax.set_xlabel("training images n")
+        ax.set_ylabel("test accuracy (%), mean ± std")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "accuracy_vs_n.png", dpi=120)
+        plt.close(fig)
+        made.append("accuracy_vs_n.png")
+    if exp == "movement" and summary.get("ratios"):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for arm, r in summary["ratios"].items():
+            per = r["per_epoch"]
+            k = min(len(s) for s in per)
+            xs = list(range(1, k + 1))
+            med = [sorted(s[i] for s in per)[len(per) // 2] for i in range(k)]
+            ax.fill_between(xs, [min(s[i] for s in per) for i in range(k)], [max(s[i] for s in per) for i in range(k)], alpha=0.25)
+            ax.plot(xs, med, marker="o", label=f"adamw / {arm}")
+        lo, hi = claims.CIFAR_MOVEMENT_PAPER
+        ax.axhspan(lo, hi, color="red", alpha=0.1, label="paper 24–40x")
+        ax.set_yscale("log")
+        ax.set_xlabel("evaluation point (every eval_every epochs)")
+        ax.set_ylabel("per-step Q/K movement ratio")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "movement_ratio.png", dpi=120)
+        plt.close(fig)
+        made.append("movement_ratio.png")
+    return made
+
+
+def write_cifar_report(out_dir: str | Path, experiment: str, records: list[dict], profile: str) -> dict:
+    """Write summary.json, summary.md and plots for one experiment under out_dir/<experiment>/."""
+    exp_dir = Path(out_dir) / experiment
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    summary = cifar_summary(experiment, records)
+    summary["profile"] = profile
+    summary["plots"] = _plots(summary, exp_dir) if records else []
+    write_json_atomic(exp_dir / "summary.json", summary)
+    (exp_dir / "summary.md").write_text(summary_markdown(summary, profile))
+    return summary

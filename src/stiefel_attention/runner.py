@@ -1,0 +1,190 @@
+"""Execute experiment cells, one JSON record per finished run, resumable.
+
+A cell is one training run: (family, readable name, resolved config). Its key is a hash of the
+resolved config, so two experiments that need the same run share one record
+`<runs_dir>/<name>-<key>.json`. A cell whose record exists is skipped; a record is written
+atomically (temp file + rename) the moment its run finishes, so Ctrl-C or a crash loses only
+runs in flight. Executors are a small interface: `LocalExecutor` (a process pool, one process
+per core by default) and `InlineExecutor` (this process; tests and debugging); a cluster backend
+needs only `submit(cells) -> iterator of (cell, record or exception)`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol
+
+__all__ = ["Cell", "Executor", "InlineExecutor", "LocalExecutor", "code_version", "execute_cell", "run_cells", "write_json_atomic"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    family: str  # "cifar" | "grok"
+    name: str  # readable, e.g. "stiefel-adam-s3-n10000"
+    config: dict = field(hash=False)  # everything that determines the result; hashed into the key
+    options: dict = field(default_factory=dict, hash=False)  # where to run, not what: data path, device
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps({"family": self.family, **self.config}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+    def path(self, runs_dir: str | Path) -> Path:
+        return Path(runs_dir) / f"{self.name}-{self.key}.json"
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON so that a reader never sees a partial file, even if we are killed mid-write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def code_version() -> str:
+    """git commit of the code that ran (with '-dirty' if the tree had changes), else the package version."""
+    from . import __version__
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here.parent, capture_output=True, text=True, timeout=5)
+            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"stiefel-attention {__version__}"
+
+
+def execute_cell(cell: Cell, threads: int | None = None) -> dict:
+    """Run one cell in this process and return its record (config, metrics, curves, timings)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    if cell.family == "cifar":
+        from .experiments import cifar as family
+    elif cell.family == "grok":
+        from .experiments import grok as family  # type: ignore[no-redef]
+    else:
+        raise ValueError(f"unknown experiment family {cell.family!r}")
+    result = family.run(cell.config, **cell.options)
+    return {"name": cell.name, "key": cell.key, "family": cell.family, "config": cell.config,
+            "code_version": code_version(), "torch": torch.__version__, **result}
+
+
+class Executor(Protocol):
+    def submit(self, cells: list[Cell]) -> Iterator[tuple[Cell, dict | BaseException]]: ...
+
+
+class InlineExecutor:
+    """Runs cells one after another in this process."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    def submit(self, cells):
+        for cell in cells:
+            try:
+                yield cell, execute_cell(cell, self.threads)
+            except KeyboardInterrupt:
+                raise
+            except Exception as err:  # reported by run_cells, the other cells go on
+                err.details = traceback.format_exc()  # type: ignore[attr-defined]
+                yield cell, err
+
+
+def _execute_in_worker(cell: Cell, threads: int) -> dict:
+    return execute_cell(cell, threads)
+
+
+class LocalExecutor:
+    """A pool of `jobs` processes, each with cores // jobs torch threads (independent seeds in parallel)."""
+
+    def __init__(self, jobs: int | None = None):
+        cores = os.cpu_count() or 1
+        self.jobs = max(1, jobs or cores)
+        self.threads = max(1, cores // self.jobs)
+
+    def submit(self, cells):
+        if not cells:
+            return
+        ctx = mp.get_context("spawn")  # no forked torch thread pools
+        with cf.ProcessPoolExecutor(max_workers=min(self.jobs, len(cells)), mp_context=ctx) as pool:
+            futures = {pool.submit(_execute_in_worker, cell, self.threads): cell for cell in cells}
+            try:
+                for fut in cf.as_completed(futures):
+                    try:
+                        yield futures[fut], fut.result()
+                    except Exception as err:
+                        yield futures[fut], err
+            except KeyboardInterrupt:
+                for fut in futures:
+                    fut.cancel()
+                raise
+
+
+def run_cells(cells: list[Cell], runs_dir: str | Path, executor: Executor | None = None,
+              progress: bool = True, desc: str = "runs") -> tuple[dict[str, dict], list[tuple[Cell, BaseException]]]:
+    """Run every cell whose record is missing; return ({cell.key: record}, failures).
+
+    Records are written the moment each run finishes. Duplicate cells (same key) run once.
+    """
+    runs_dir = Path(runs_dir)
+    unique = list({c.key: c for c in cells}.values())
+    records: dict[str, dict] = {}
+    pending = []
+    for cell in unique:
+        path = cell.path(runs_dir)
+        if path.exists():
+            try:
+                records[cell.key] = json.loads(path.read_text())
+                continue
+            except json.JSONDecodeError:
+                print(f"warning: unreadable record {path}; running it again", file=sys.stderr)
+        pending.append(cell)
+    failures: list[tuple[Cell, BaseException]] = []
+    if not pending:
+        return records, failures
+    executor = executor or LocalExecutor()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(pending), desc=desc, unit="run", initial=0, dynamic_ncols=True,
+                   postfix={"done before": len(unique) - len(pending)})
+    try:
+        for cell, outcome in executor.submit(pending):
+            if isinstance(outcome, BaseException):
+                failures.append((cell, outcome))
+                print(f"\nrun {cell.name} failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)
+            else:
+                write_json_atomic(cell.path(runs_dir), outcome)
+                records[cell.key] = outcome
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return records, failures

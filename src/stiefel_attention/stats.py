@@ -1,0 +1,62 @@
+"""Paired statistics over seeds: one function, one comparison, both tests.
+
+With 12 pairs the smallest two-sided Wilcoxon p is 2/4096 = 0.00049 (all pairs of one sign),
+so the t-test alone can suggest more certainty than the data hold; we report both and the
+number of wins, and a claim is "supported" only where both tests agree at the chosen level.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+from scipy import stats as sps
+
+__all__ = ["paired_comparison", "describe"]
+
+
+def describe(values: Sequence[float]) -> dict:
+    """Mean, sample std and count of a list of accuracies (in the units given)."""
+    x = np.asarray(values, dtype=float)
+    return {
+        "n": int(x.size),
+        "mean": float(x.mean()) if x.size else math.nan,
+        "std": float(x.std(ddof=1)) if x.size > 1 else math.nan,
+    }
+
+
+def paired_comparison(arm: Sequence[float], baseline: Sequence[float], alpha: float = 0.05) -> dict:
+    """Compare paired samples (same seeds, same order), e.g. test accuracies in percent.
+
+    Returns mean difference (arm - baseline), its t-based 95% CI, the paired t statistic and
+    two-sided p (scipy.stats.ttest_rel), the two-sided exact Wilcoxon signed-rank p
+    (scipy.stats.wilcoxon; NaN when every difference is zero), wins k of N (arm > baseline),
+    and whether both tests reject at `alpha`.
+    """
+    a = np.asarray(arm, dtype=float)
+    b = np.asarray(baseline, dtype=float)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired samples need equal 1-D shapes, got {a.shape} and {b.shape}")
+    n = int(a.size)
+    diff = a - b
+    out: dict = {"n_seeds": n, "mean_diff": float(diff.mean()) if n else math.nan,
+                 "wins": int((diff > 0).sum()), "losses": int((diff < 0).sum())}
+    if n < 2:
+        out.update(ci95=[math.nan, math.nan], t=math.nan, p_t=math.nan, p_wilcoxon=math.nan, supported=False)
+        return out
+    sd = float(diff.std(ddof=1))
+    half = float(sps.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    out["ci95"] = [out["mean_diff"] - half, out["mean_diff"] + half]
+    if sd == 0.0:
+        # ttest_rel is undefined for identical differences; say so rather than report inf.
+        out["t"], out["p_t"] = (math.nan, math.nan)
+    else:
+        t = sps.ttest_rel(a, b)
+        out["t"], out["p_t"] = float(t.statistic), float(t.pvalue)
+    if np.all(diff == 0):
+        out["p_wilcoxon"] = math.nan
+    else:
+        out["p_wilcoxon"] = float(sps.wilcoxon(a, b, zero_method="wilcox", alternative="two-sided").pvalue)
+    out["supported"] = bool(out["p_t"] < alpha and out["p_wilcoxon"] < alpha) if not math.isnan(out["p_t"]) and not math.isnan(out["p_wilcoxon"]) else False
+    return out
