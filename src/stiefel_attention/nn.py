@@ -49,7 +49,8 @@ class StiefelAttention(nn.Module):
         super().__init__()
         if qk not in QK_MODES:
             raise ValueError(f"qk must be one of {QK_MODES}, got {qk!r}")
-        qk_init = qk_init or ("standard" if qk == "euclidean" else "orthonormal")
+        if qk_init is None:
+            qk_init = "standard" if qk == "euclidean" else "orthonormal"
         if qk_init not in QK_INITS:
             raise ValueError(f"qk_init must be one of {QK_INITS}, got {qk_init!r}")
         if qk in ("stiefel", "frozen") and qk_init != "orthonormal":

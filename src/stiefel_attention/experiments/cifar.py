@@ -14,6 +14,7 @@ about a minute with one thread); `paper` is a larger model for a GPU.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import statistics
 import time
@@ -175,6 +176,17 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     return correct / len(x)
 
 
+def _init_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of the initial values of every parameter except W_Q, W_K (the part arms share)."""
+    qk_ids = {id(p) for _, p in qk_matrices(model)}
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if id(p) not in qk_ids:
+            h.update(name.encode())
+            h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _lr_lambda(cfg: dict, steps_per_epoch: int):
     total = cfg["epochs"] * steps_per_epoch
     warm = cfg["warmup_epochs"] * steps_per_epoch
@@ -218,12 +230,19 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, steps_per_epoch))
     qk = [p for _, p in qk_matrices(model)]  # each (H, D, r): H matrices of one head's shape
 
+    # Fingerprints of what pairing promises is identical across arms of one seed.
+    order_hash = hashlib.sha256()
+    pairing = {"train_subset_sha256": hashlib.sha256(train_idx.numpy().tobytes()).hexdigest()[:16],
+               "init_sha256": _init_fingerprint(model)}
     curves = {"epoch": [], "train_loss": [], "train_acc": [], "eval_acc": [], "movement_median": []}
     t_train = 0.0
     for epoch in range(1, cfg["epochs"] + 1):
         t0 = time.perf_counter()
         perm = torch.randperm(n, generator=order_gen).to(device)
         flips = (torch.rand(n, generator=order_gen) < 0.5).to(device) if cfg["flip"] else None
+        order_hash.update(perm.cpu().numpy().tobytes())
+        if flips is not None:
+            order_hash.update(flips.cpu().numpy().tobytes())
         loss_sum, correct, seen, moves = 0.0, 0, 0, []
         for b in range(steps_per_epoch):
             idx = perm[b * cfg["batch_size"] : (b + 1) * cfg["batch_size"]]
@@ -257,8 +276,10 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             raise FloatingPointError(f"training loss became {loss_sum} at epoch {epoch}")
 
     iso = max(float(isometry_error(p)) for p in qk)
+    pairing["order_sha256"] = order_hash.hexdigest()[:16]
     return {
         "data_source": ds.source,
+        "pairing": pairing,
         "metrics": {
             "final_eval_acc": curves["eval_acc"][-1],
             "best_eval_acc": max(curves["eval_acc"]),
