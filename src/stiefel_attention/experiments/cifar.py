@@ -213,7 +213,8 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
         x_eval, y_eval = normalize(ds.train_x[val_idx]).to(device), ds.train_y[val_idx].to(device)
     else:
         test_idx = torch.arange(len(ds.test_y))
-        if cfg["n_test"]:  # smoke runs only: a fixed class-balanced part of test (files are sorted by class)
+        if cfg["n_test"] and cfg["n_test"] < len(test_idx):
+            # smoke runs only: a fixed class-balanced part of test (the files are sorted by class)
             test_idx = balanced_subset(ds.test_y, cfg["n_test"], torch.Generator().manual_seed(0))
         x_eval, y_eval = normalize(ds.test_x[test_idx]).to(device), ds.test_y[test_idx].to(device)
 

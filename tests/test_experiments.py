@@ -1,0 +1,306 @@
+"""CIFAR harness: pairing, resume, atomic records, statistics, reports and the command line.
+
+Runs use a generated canonical-layout dataset (class-balanced, random pixels) so they take
+seconds; one test runs the real smoke experiment on the shared JPEG archive when it is present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from stiefel_attention import cli
+from stiefel_attention.data import ENV_CACHE, ENV_CIFAR10
+from stiefel_attention.experiments import cifar
+from stiefel_attention.report import cifar_summary, verdict, write_cifar_report
+from stiefel_attention.runner import Cell, InlineExecutor, LocalExecutor, run_cells, write_json_atomic
+from stiefel_attention.stats import paired_comparison
+
+REAL_ARCHIVE = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
+N_TRAIN = 100  # per run; the fake set has 30 images per class
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(monkeypatch, tmp_path_factory):
+    monkeypatch.delenv(ENV_CIFAR10, raising=False)
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path_factory.getbasetemp() / "cifar-cache"))
+    cifar._dataset.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def fake_cifar(tmp_path_factory) -> str:
+    """cifar-10-batches-py with 30 train and 10 test images per class."""
+    root = tmp_path_factory.mktemp("fake") / "cifar-10-batches-py"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    train_labels = np.repeat(np.arange(10), 30)
+    rng.shuffle(train_labels)
+    for i, chunk in enumerate(np.split(train_labels, 5), start=1):
+        x = rng.integers(0, 256, size=(len(chunk), 3072), dtype=np.uint8)
+        (root / f"data_batch_{i}").write_bytes(pickle.dumps({b"data": x, b"labels": chunk.tolist()}))
+    test_labels = np.repeat(np.arange(10), 10)
+    x = rng.integers(0, 256, size=(100, 3072), dtype=np.uint8)
+    (root / "test_batch").write_bytes(pickle.dumps({b"data": x, b"labels": test_labels.tolist()}))
+    return str(root)
+
+
+def _smoke_cells(experiment: str, data: str, seeds: int = 2) -> list[Cell]:
+    cells = cifar.cells(experiment, "smoke", seeds, n=N_TRAIN)
+    out = []
+    for c in cells:
+        cfg = dict(c.config, n_test=None, epochs=1)
+        out.append(Cell(c.family, c.name, cfg, {"data": data, "device": "cpu"}))
+    return out
+
+
+# --- statistics ------------------------------------------------------------------------------
+
+
+def test_paired_comparison_matches_scipy_and_formulas():
+    rng = np.random.default_rng(1)
+    base = rng.normal(60, 2, size=12)
+    arm = base + rng.normal(1.5, 1.0, size=12)
+    st = paired_comparison(arm, base)
+    d = arm - base
+    assert st["n_seeds"] == 12
+    assert st["mean_diff"] == pytest.approx(d.mean(), abs=1e-12)
+    half = sps.t.ppf(0.975, 11) * d.std(ddof=1) / math.sqrt(12)
+    assert st["ci95"] == pytest.approx([d.mean() - half, d.mean() + half], abs=1e-12)
+    assert st["t"] == pytest.approx(d.mean() / (d.std(ddof=1) / math.sqrt(12)), rel=1e-10)
+    assert st["p_t"] == pytest.approx(sps.ttest_rel(arm, base).pvalue, rel=1e-10)
+    assert st["p_wilcoxon"] == pytest.approx(sps.wilcoxon(arm, base).pvalue, rel=1e-10)
+    assert st["wins"] == int((d > 0).sum()) and st["losses"] == int((d < 0).sum())
+
+
+def test_wilcoxon_floor_with_twelve_pairs_of_one_sign():
+    # all 12 differences positive and distinct: exact two-sided p = 2 / 2^12
+    st = paired_comparison(np.arange(1, 13) + 50.0, np.full(12, 50.0))
+    assert st["p_wilcoxon"] == pytest.approx(2 / 4096, rel=1e-9)
+    assert st["wins"] == 12 and st["supported"]
+
+
+def test_paired_comparison_degenerate_inputs():
+    same = paired_comparison([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert math.isnan(same["p_wilcoxon"]) and math.isnan(same["t"]) and not same["supported"]
+    one = paired_comparison([1.0], [0.0])
+    assert one["mean_diff"] == 1.0 and not one["supported"]
+    with pytest.raises(ValueError, match="equal 1-D shapes"):
+        paired_comparison([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize(
+    "kind, paper, mean, ci, supported, expected",
+    [
+        ("effect", 6.79, 6.5, [6.0, 7.0], True, "replicates"),
+        ("effect", 6.79, 2.0, [1.5, 2.5], True, "direction replicates, size does not"),
+        ("effect", 6.79, -2.0, [-2.5, -1.5], True, "opposite sign"),
+        ("effect", 6.79, 0.5, [-1.0, 2.0], False, "no significant difference"),
+        ("null", 0.0, 0.1, [-0.5, 0.7], False, "replicates: no significant"),
+        ("null", 0.0, 1.5, [1.0, 2.0], True, "does not replicate: significant"),
+        ("control", None, 1.0, [0.5, 1.5], True, "control"),
+    ],
+)
+def test_verdicts(kind, paper, mean, ci, supported, expected):
+    st = {"n_seeds": 12, "mean_diff": mean, "ci95": ci, "supported": supported, "p_t": 0.01, "p_wilcoxon": 0.01}
+    assert expected in verdict(kind, paper, st)
+
+
+# --- pairing ---------------------------------------------------------------------------------
+
+
+def test_split_indices_are_balanced_seeded_and_never_touch_test():
+    labels = torch.arange(10).repeat_interleave(600)
+    cfg = cifar.make_config("cpu", "adamw", 0, 1000)
+    a, none = cifar.split_indices(labels, cfg, cifar._generators(0)[0])
+    b, _ = cifar.split_indices(labels, cfg, cifar._generators(0)[0])
+    c, _ = cifar.split_indices(labels, cfg, cifar._generators(1)[0])
+    assert none is None and torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.bincount(labels[a], minlength=10).tolist() == [100] * 10
+    val_cfg = cifar.make_config("cpu", "adamw", 0, 1000, split="val", n_val=500)
+    train_idx, val_idx = cifar.split_indices(labels, val_cfg, cifar._generators(0)[0])
+    assert len(set(train_idx.tolist()) & set(val_idx.tolist())) == 0
+    assert torch.bincount(labels[val_idx], minlength=10).tolist() == [50] * 10
+    # the validation split does not depend on the run's seed
+    _, val_idx_1 = cifar.split_indices(labels, val_cfg, cifar._generators(1)[0])
+    assert torch.equal(val_idx, val_idx_1)
+
+
+def test_arms_of_a_seed_share_subset_init_and_order(fake_cifar):
+    cells = _smoke_cells("main", fake_cifar)
+    records, failures = run_cells(cells, Path(fake_cifar).parent / "runs-pairing", InlineExecutor(), progress=False)
+    assert not failures
+    by_seed: dict[int, set] = {}
+    for rec in records.values():
+        fp = rec["pairing"]
+        by_seed.setdefault(rec["config"]["seed"], set()).add((fp["train_subset_sha256"], fp["init_sha256"], fp["order_sha256"]))
+    assert set(by_seed) == {0, 1}
+    assert all(len(v) == 1 for v in by_seed.values()), by_seed  # identical across the 5 arms
+    assert by_seed[0] != by_seed[1]
+    for rec in records.values():
+        assert rec["config"]["arm"] in cifar.MAIN_ARMS
+        if rec["config"]["arm"].startswith("stiefel") or rec["config"]["arm"] == "frozen":
+            assert rec["metrics"]["qk_isometry_error"] < 1e-5
+
+
+# --- runner: records, resume, sharing --------------------------------------------------------
+
+
+def test_run_cells_writes_records_and_resumes(fake_cifar, tmp_path, monkeypatch):
+    cells = _smoke_cells("eps", fake_cifar, seeds=1)[:2]
+    records, failures = run_cells(cells, tmp_path, InlineExecutor(), progress=False)
+    assert not failures and len(records) == 2
+    files = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert files == sorted(c.path(tmp_path).name for c in cells)
+    rec = json.loads(cells[0].path(tmp_path).read_text())
+    assert rec["config"] == cells[0].config and rec["key"] == cells[0].key
+    assert {"final_eval_acc", "best_eval_acc", "qk_isometry_error", "movement_median"} <= set(rec["metrics"])
+    assert len(rec["curves"]["eval_acc"]) == len(rec["curves"]["epoch"]) >= 1
+    assert rec["code_version"] and rec["timings"]["total_s"] > 0
+
+    def boom(*a, **k):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(cifar, "run", boom)
+    again, failures = run_cells(cells, tmp_path, InlineExecutor(), progress=False)
+    assert not failures and again.keys() == records.keys()
+
+
+def test_experiments_share_identical_runs():
+    main = {c.key for c in cifar.cells("main", "cpu", 12)}
+    ablation = {c.key for c in cifar.cells("ablation", "cpu", 12)}
+    movement = {c.key for c in cifar.cells("movement", "cpu", 12)}
+    assert len(main) == 60 and len(ablation) == 60
+    assert len(main & ablation) == 36  # adamw, stiefel-adam, stiefel-sgd x 12 seeds
+    assert movement <= main
+    eps = cifar.cells("eps", "cpu", 12)
+    assert {c.key for c in eps if c.config["frame_eps"] == 1e-8} <= main
+
+
+def test_a_failing_run_is_reported_and_others_are_kept(fake_cifar, tmp_path, monkeypatch):
+    cells = _smoke_cells("movement", fake_cifar, seeds=1)
+    real_run = cifar.run
+
+    def flaky(cfg, **kw):
+        if cfg["arm"] == "stiefel-sgd":
+            raise FloatingPointError("diverged")
+        return real_run(cfg, **kw)
+
+    monkeypatch.setattr(cifar, "run", flaky)
+    records, failures = run_cells(cells, tmp_path, InlineExecutor(), progress=False)
+    assert [c.config["arm"] for c, _ in failures] == ["stiefel-sgd"]
+    assert len(records) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_write_json_atomic_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "r.json"
+    write_json_atomic(target, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(target, {"a": object()})
+    assert json.loads(target.read_text()) == {"a": 1}  # the old record is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # and no temp file is left
+
+
+def test_local_executor_runs_in_worker_processes(fake_cifar, tmp_path):
+    cells = _smoke_cells("movement", fake_cifar, seeds=1)[:2]
+    inline, _ = run_cells(cells, tmp_path / "a", InlineExecutor(threads=1), progress=False)
+    pooled, failures = run_cells(cells, tmp_path / "b", LocalExecutor(jobs=2), progress=False)
+    assert not failures
+    for key in inline:  # same seeds, same code: same numbers, whichever executor
+        assert pooled[key]["metrics"]["final_eval_acc"] == inline[key]["metrics"]["final_eval_acc"]
+        assert pooled[key]["curves"]["train_loss"] == pytest.approx(inline[key]["curves"]["train_loss"], rel=1e-6)
+
+
+# --- reports ---------------------------------------------------------------------------------
+
+
+def _fake_record(arm, seed, acc, **cfg):
+    config = dict(arm=arm, seed=seed, n_train=cfg.get("n_train", 10000), frame_eps=cfg.get("frame_eps", 1e-8),
+                  lr=1e-3, frame_lr=1e-2, split="test")
+    return {"config": config, "metrics": {"final_eval_acc": acc},
+            "curves": {"movement_median": cfg.get("movement", [1.0, 1.0])}}
+
+
+def test_summary_and_report_files(tmp_path):
+    rng = np.random.default_rng(0)
+    recs = []
+    for s in range(12):
+        base = 0.55 + 0.01 * rng.standard_normal()
+        recs += [_fake_record("adamw", s, base), _fake_record("stiefel-adam", s, base + 0.02 + 0.002 * rng.standard_normal()),
+                 _fake_record("stiefel-sgd", s, base + 0.005), _fake_record("frozen", s, base + 0.004),
+                 _fake_record("adamw-orthoinit", s, base + 0.001 * rng.standard_normal())]
+    summary = write_cifar_report(tmp_path, "main", recs, "cpu")
+    first = summary["comparisons"][0]
+    assert (first["arm"], first["baseline"]) == ("stiefel-adam", "adamw")
+    assert first["n_seeds"] == 12 and first["wins"] == 12
+    assert first["mean_diff"] == pytest.approx(2.0, abs=0.3)
+    assert "size does not" in first["verdict"]  # +2 pp vs the paper's +6.79 pp
+    assert json.loads((tmp_path / "main" / "summary.json").read_text())["comparisons"][0]["wins"] == 12
+    md = (tmp_path / "main" / "summary.md").read_text()
+    assert "stiefel-adam vs adamw" in md and "+6.79" in md
+    assert (tmp_path / "main" / "paired_differences.png").stat().st_size > 1000
+
+
+def test_scaling_and_movement_summaries():
+    recs = []
+    for n, lead in ((1000, 0.01), (5000, 0.02), (10000, 0.03)):
+        for s in range(5):
+            recs += [_fake_record("adamw", s, 0.5 + 0.001 * s, n_train=n),
+                     _fake_record("stiefel-adam", s, 0.5 + lead + 0.002 * (s % 2), n_train=n)]
+    summary = cifar_summary("scaling", recs)
+    assert [c["n_train"] for c in summary["comparisons"]] == [1000, 5000, 10000]
+    assert summary["lead_grows_with_n"] is True
+    mv = [_fake_record("adamw", s, 0.5, movement=[30.0, 60.0]) for s in range(2)]
+    mv += [_fake_record("stiefel-sgd", s, 0.5, movement=[1.0, 2.0]) for s in range(2)]
+    out = cifar_summary("movement", mv)
+    assert out["ratios"]["stiefel-sgd"]["median"] == pytest.approx(30.0)
+    assert out["ratios"]["stiefel-sgd"]["verdict"].startswith("replicates")
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def test_cli_bad_data_path_is_one_clear_line(tmp_path, capsys):
+    rc = cli.main(["cifar", "--experiment", "main", "--profile", "smoke", "--data", str(tmp_path / "nope"), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "error:" in err and "--data" in err and ENV_CIFAR10 in err
+    assert "Traceback" not in err
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["cifar", "--experiment", "nonsense"])
+    assert exc.value.code == 2
+    assert cli.main(["cifar", "--experiment", "main", "--profile", "smoke", "--seeds", "0"]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_smoke_on_generated_data(fake_cifar, tmp_path, capsys):
+    args = ["cifar", "--experiment", "movement", "--profile", "smoke", "--seeds", "2", "--n", str(N_TRAIN),
+            "--data", fake_cifar, "--out", str(tmp_path), "--jobs", "1", "--no-progress"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "adamw / arm per-step movement" in out
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 6
+    summary = json.loads((tmp_path / "movement" / "summary.json").read_text())
+    assert set(summary["ratios"]) == {"stiefel-sgd", "stiefel-adam"}
+    assert cli.main(args) == 0  # resume: nothing left to run, same report
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL_ARCHIVE.exists(), reason="shared CIFAR-10 archive not present")
+def test_real_smoke_experiment_on_shared_data(tmp_path):
+    args = ["cifar", "--experiment", "main", "--profile", "smoke", "--data", str(REAL_ARCHIVE),
+            "--out", str(tmp_path), "--jobs", "1", "--no-progress"]
+    assert cli.main(args) == 0
+    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
+    assert summary["n_records"] == 10
+    accs = [d["mean"] for d in summary["arms"].values()]
+    assert all(10.0 < a < 60.0 for a in accs)  # above chance (10%) after 2 short epochs
