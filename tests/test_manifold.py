@@ -204,7 +204,7 @@ def test_project_tangent_dtype_promotion_and_half():
         assert max_abs(P.to(F64) - ref) <= 4 * torch.finfo(half).eps * max_abs(ref)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, database=None)
 @given(
     batch=st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
     r=st.integers(1, 6),
@@ -324,7 +324,7 @@ def test_polar_retract_shape_mismatch_raises():
         polar_retract(W, torch.zeros(5, 2, dtype=F64))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, database=None)
 @given(
     batch=st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
     r=st.integers(1, 6),
@@ -684,7 +684,7 @@ def test_inv_sqrt_gram_branches_match_reference(monkeypatch, dtype, lo, hi, bran
     assert max_abs(X - X.mT) <= budget * float(fro(ref).max())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, database=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     lo=st.floats(0.05, 1.0),

@@ -3,6 +3,7 @@
     stiefel-attention certify [--json PATH] [--seed N]   float64 certification of the propositions
     stiefel-attention demo [--steps N]                   a tiny training run, adamw vs stiefel-adam
     stiefel-attention cifar --experiment NAME --profile smoke|cpu|paper [--seeds N] [--out DIR] [--data PATH]
+    stiefel-attention grok --experiment single|study|slingshot --profile smoke|cpu|paper [--out DIR]
 
 Bad arguments and data problems end in one clear line on stderr and a non-zero exit, never a
 traceback (set STIEFEL_ATTENTION_DEBUG=1 to see the traceback).
@@ -114,6 +115,25 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _cmd_grok(args: argparse.Namespace) -> int:
+    from .experiments import grok
+    from .report import write_grok_report
+    from .runner import run_cells
+
+    cells = grok.cells(args.experiment, args.profile, args.seeds)
+    cells = [type(c)(c.family, c.name, c.config, {"device": args.device}) for c in cells]
+    out = Path(args.out)
+    print(f"grok {args.experiment}: {len(cells)} runs (profile {args.profile}), records in {out / 'runs'}")
+    records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
+                                  desc=f"grok {args.experiment}")
+    finished = [records[c.key] for c in cells if c.key in records]
+    write_grok_report(out, args.experiment, finished, args.profile)
+    print((out / args.experiment / "summary.md").read_text())
+    for cell, err in failures:
+        print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
+    return 1 if failures else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stiefel-attention", description="Stiefel attention: library and benchmark suite.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: one per core; 1 runs in this process)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_cifar)
+
+    from .experiments import grok
+
+    p = sub.add_parser("grok", help="modular-arithmetic grokking experiments")
+    p.add_argument("--experiment", required=True, choices=grok.EXPERIMENTS)
+    p.add_argument("--profile", default="cpu", choices=list(grok.PROFILES), help="model/training size (default cpu)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per arm for the study (default 5)")
+    p.add_argument("--out", default="results/grok", help="results folder; runs/ inside is shared by experiments")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: one per core; 1 runs in this process)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_grok)
     return parser
 
 

@@ -85,6 +85,20 @@ class StiefelAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, H, N, r)
         return self.w_o(y.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))  # (B, N, D)
 
+    def forward_last(self, x: Tensor) -> Tensor:
+        """The output at the last position only: (B, N, D) -> (B, 1, D).
+
+        Exact for causal and non-causal attention alike, since the last query sees every key.
+        Saves the queries and the output projection of all other positions (grokking only reads
+        the "=" position).
+        """
+        B, N, _ = x.shape
+        q = self._heads(x[:, -1:], self.w_q)  # (B, H, 1, r)
+        k = self._heads(x, self.w_k)  # (B, H, N, r)
+        v = self.w_v(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
+        y = F.scaled_dot_product_attention(q, k, v)  # no mask: the last position attends to all
+        return self.w_o(y.transpose(1, 2).reshape(B, 1, self.n_heads * self.head_dim))  # (B, 1, D)
+
     def frame_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The tensors that hold W_Q, W_K, whatever the mode."""
         return [("w_q", self.w_q), ("w_k", self.w_k)]
@@ -108,6 +122,11 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+    def forward_last(self, x: Tensor) -> Tensor:
+        """The block's output at the last position only: (B, N, D) -> (B, 1, D)."""
+        x_last = x[:, -1:] + self.attn.forward_last(self.ln1(x))
+        return x_last + self.mlp(self.ln2(x_last))
 
 
 class PatchViT(nn.Module):
@@ -178,6 +197,15 @@ class ModularTransformer(nn.Module):
         self.unembed = nn.Linear(d_model, p, bias=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """Logits at the "=" position; the last block computes that position only (exact)."""
+        x = self.embed(tokens) + self.pos  # (B, 3, D)
+        for block in self.blocks[:-1]:
+            x = block(x)
+        x = self.blocks[-1].forward_last(x)  # (B, 1, D)
+        return self.unembed(self.norm(x[:, 0]))  # (B, p)
+
+    def forward_full(self, tokens: Tensor) -> Tensor:
+        """The plain forward pass over all positions, then the "=" position: the reference for `forward`."""
         x = self.embed(tokens) + self.pos  # (B, 3, D)
         for block in self.blocks:
             x = block(x)

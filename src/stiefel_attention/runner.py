@@ -12,6 +12,7 @@ needs only `submit(cells) -> iterator of (cell, record or exception)`.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +63,13 @@ def write_json_atomic(path: str | Path, obj) -> None:
         raise
 
 
+@functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """git commit of the code that ran (with '-dirty' if the tree had changes), else the package version."""
+    """git commit of the code that ran (with '-dirty' if src/ had changes), else the package version.
+
+    Cached at the first call, which execute_cell makes before training: a commit made while a
+    run is in flight must not be credited with it.
+    """
     from . import __version__
 
     here = Path(__file__).resolve().parent
@@ -80,18 +87,26 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     """Run one cell in this process and return its record (config, metrics, curves, timings)."""
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
+    version = code_version()
     if cell.family == "cifar":
         from .experiments import cifar as family
     elif cell.family == "grok":
         from .experiments import grok as family  # type: ignore[no-redef]
     else:
         raise ValueError(f"unknown experiment family {cell.family!r}")
-    result = family.run(cell.config, **cell.options)
+    threads_before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    # Denormals slow small-gradient training several-fold on CPUs. Flushing them is a process-wide
+    # switch (torch has no getter), so it is switched back off for the caller afterwards.
+    torch.set_flush_denormal(True)
+    try:
+        result = family.run(cell.config, **cell.options)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads_before)
     return {"name": cell.name, "key": cell.key, "family": cell.family, "config": cell.config,
-            "code_version": code_version(), "torch": torch.__version__, **result}
+            "code_version": version, "torch": torch.__version__, **result}
 
 
 class Executor(Protocol):
@@ -115,7 +130,21 @@ class InlineExecutor:
                 yield cell, err
 
 
-def _execute_in_worker(cell: Cell, threads: int) -> dict:
+def _exit_when_orphaned(parent: int) -> None:
+    """A pool worker whose parent died (kill, closed terminal) stops too, instead of training on."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(2.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _execute_in_worker(cell: Cell, threads: int, parent: int) -> dict:
+    _exit_when_orphaned(parent)
     return execute_cell(cell, threads)
 
 
@@ -132,7 +161,7 @@ class LocalExecutor:
             return
         ctx = mp.get_context("spawn")  # no forked torch thread pools
         with cf.ProcessPoolExecutor(max_workers=min(self.jobs, len(cells)), mp_context=ctx) as pool:
-            futures = {pool.submit(_execute_in_worker, cell, self.threads): cell for cell in cells}
+            futures = {pool.submit(_execute_in_worker, cell, self.threads, os.getpid()): cell for cell in cells}
             try:
                 for fut in cf.as_completed(futures):
                     try:

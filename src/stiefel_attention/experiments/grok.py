@@ -1,0 +1,219 @@
+"""Modular-arithmetic grokking: baseline (AdamW everywhere) vs Stiefel W_Q, W_K; slingshot pilot.
+
+`run(config) -> result` trains a ModularTransformer full-batch on (a op b) mod p and logs
+train/validation loss and accuracy, the unembedding's weight norm and the Q/K isometry error
+every `eval_every` epochs. The seed fixes the model init (global RNG while building) and, by
+default, the train/validation split (its own generator, `split_seed`), identically in every arm.
+
+Q/K isometry error: for frames, max over heads of ||W^T W - I||_F. For Euclidean W_Q, W_K, whose
+scale is free, the same quantity after normalising each column to unit norm: it then measures
+only how far the columns are from orthogonal, the part of the geometry a frame pins down, and
+not the scale that weight decay and the softmax temperature trade against each other.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..data import modular_task
+from ..manifold import isometry_error
+from ..nn import ModularTransformer, qk_matrices
+from ..optim import arm_spec, build_optimizer
+from ..runner import Cell
+
+_REFERENCE = dict(p=113, d_model=128, n_heads=4, head_dim=32, d_mlp=512, n_layers=1, layernorm=False)
+PROFILES: dict[str, dict] = {
+    "smoke": dict(model=dict(p=23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=1, layernorm=False),
+                  epochs=300, eval_every=10, slingshot_epochs=400),
+    # The reference widths take ~0.13 s per full-batch epoch on one core (p=113, 3,830 training
+    # equations; measured), 45 min per 20,000-epoch run. Halving every width and using p=97 (the
+    # prime of the original grokking paper) cuts that ~4x; the `single` experiment shows whether
+    # this model still groks.
+    "cpu": dict(model=dict(p=97, d_model=64, n_heads=4, head_dim=16, d_mlp=256, n_layers=1, layernorm=False),
+                epochs=20000, eval_every=20, slingshot_epochs=40000),
+    "paper": dict(model=_REFERENCE, epochs=20000, eval_every=10, slingshot_epochs=100000),
+}
+# The usual reference optimisation (Nanda et al.'s setup): AdamW lr 1e-3, betas (0.9, 0.98),
+# weight decay 1.0, 10-step linear warm-up, full batch.
+BASE = dict(lr=1e-3, frame_lr=1e-3, betas=[0.9, 0.98], weight_decay=1.0, warmup_steps=10, train_fraction=0.3,
+            max_step=0.1, regularize="all")
+ARMS = ("adamw", "stiefel-adam")
+EXPERIMENTS = ("single", "study", "slingshot")
+STUDY_OPS = ("+", "-")
+GROK_THRESHOLD = 0.95
+
+
+def make_config(profile: str, arm: str, seed: int, op: str = "+", **overrides) -> dict:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    arm_spec(arm)
+    prof = PROFILES[profile]
+    cfg = dict(profile=profile, arm=arm, seed=seed, split_seed=seed, op=op, model=dict(prof["model"]),
+               epochs=prof["epochs"], eval_every=prof["eval_every"], **BASE)
+    if arm_spec(arm).frame_rule != "adam":
+        cfg["max_step"] = None
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}")
+    cfg.update(overrides)
+    return cfg
+
+
+def _cell(cfg: dict, tag: str = "") -> Cell:
+    op_name = {"+": "add", "-": "sub", "*": "mul", "/": "div"}[cfg["op"]]
+    return Cell("grok", f"{cfg['arm']}-s{cfg['seed']}-{op_name}{tag}", cfg)
+
+
+# Slingshot conditions (Thilak et al. 2022): Adam with NO weight decay on the model as a whole and
+# long training make the last layer's norm grow until the loss spikes and the network re-learns,
+# cycle after cycle. The pilot keeps those conditions for the routing frames and the unconstrained
+# Q/K alike and regularises only the rest of the circuit (embeddings, W_V, W_O, MLP, unembedding)
+# with a weak decay, the same in both arms: the arms differ only in whether Q/K are frames.
+SLINGSHOT = dict(weight_decay=0.1, regularize="non-qk", betas=[0.9, 0.98], eps=1e-8)
+
+
+def cells(experiment: str, profile: str, seeds: int = 5) -> list[Cell]:
+    if experiment == "single":
+        return [_cell(make_config(profile, a, 0, "+")) for a in ARMS]
+    if experiment == "study":
+        if seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {seeds}")
+        return [_cell(make_config(profile, a, s, op)) for op in STUDY_OPS for a in ARMS for s in range(seeds)]
+    if experiment == "slingshot":
+        epochs = PROFILES[profile]["slingshot_epochs"]
+        over = dict(weight_decay=SLINGSHOT["weight_decay"], regularize=SLINGSHOT["regularize"], betas=SLINGSHOT["betas"], epochs=epochs)
+        return [_cell(make_config(profile, a, 0, "/", **over), "-slingshot") for a in ARMS]
+    raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(EXPERIMENTS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def qk_isometry(model: torch.nn.Module) -> float:
+    """Max over W_Q, W_K heads of ||W^T W - I||_F, after column normalisation for Euclidean Q/K."""
+    worst = 0.0
+    for _, W in qk_matrices(model):
+        W = W.detach()
+        if getattr(model.blocks[0].attn, "qk", "stiefel") == "euclidean":
+            W = W / torch.linalg.vector_norm(W, dim=-2, keepdim=True).clamp_min(1e-30)
+        worst = max(worst, float(isometry_error(W)))
+    return worst
+
+
+def _build(cfg: dict, model: ModularTransformer):
+    if cfg["regularize"] == "all":
+        return build_optimizer(model, cfg["arm"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                               frame_lr=cfg["frame_lr"], betas=tuple(cfg["betas"]), max_step=cfg["max_step"])
+    if cfg["regularize"] != "non-qk":
+        raise ValueError(f"regularize must be 'all' or 'non-qk', got {cfg['regularize']!r}")
+    # Decay on everything but W_Q, W_K: build with decay, then switch it off for Euclidean Q/K by
+    # moving them into a group of their own (frames are immune to decay anyway).
+    opt = build_optimizer(model, cfg["arm"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                          frame_lr=cfg["frame_lr"], betas=tuple(cfg["betas"]), max_step=cfg["max_step"])
+    qk_ids = {id(p) for _, p in qk_matrices(model)}
+    adamw = opt.optimizers["adamw"]
+    moved = []
+    for group in adamw.param_groups:
+        keep = [p for p in group["params"] if id(p) not in qk_ids]
+        moved += [p for p in group["params"] if id(p) in qk_ids]
+        group["params"] = keep
+    if moved:
+        adamw.add_param_group({"params": moved, "weight_decay": 0.0})
+        opt._relink_groups()
+    return opt
+
+
+def run(cfg: dict, device: str | None = None, progress=None) -> dict:
+    t_start = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    m = cfg["model"]
+    task = modular_task(m["p"], cfg["op"], cfg["train_fraction"], cfg["split_seed"])
+    xt, yt = task.train_tokens.to(device), task.train_labels.to(device)
+    xv, yv = task.val_tokens.to(device), task.val_labels.to(device)
+    spec = arm_spec(cfg["arm"])
+    torch.manual_seed(cfg["seed"])
+    model = ModularTransformer(**m, qk=spec.qk, qk_init=spec.qk_init).to(device)
+    opt = _build(cfg, model)
+    warm = cfg["warmup_steps"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0)
+
+    log: dict[str, list] = {k: [] for k in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "unembed_norm", "qk_isometry")}
+    first_grok = None
+    t_train = 0.0
+    for epoch in range(1, cfg["epochs"] + 1):
+        t0 = time.perf_counter()
+        logits = model(xt)
+        loss = F.cross_entropy(logits, yt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        t_train += time.perf_counter() - t0
+        if epoch % cfg["eval_every"] == 0 or epoch == cfg["epochs"] or epoch == 1:
+            with torch.no_grad():
+                vlogits = model(xv)
+                log["epoch"].append(epoch)
+                log["train_loss"].append(float(loss.detach()))
+                log["train_acc"].append(float((logits.argmax(-1) == yt).float().mean()))
+                log["val_loss"].append(float(F.cross_entropy(vlogits, yv)))
+                log["val_acc"].append(float((vlogits.argmax(-1) == yv).float().mean()))
+                log["unembed_norm"].append(float(model.unembed.weight.norm()))
+                log["qk_isometry"].append(qk_isometry(model))
+            if first_grok is None and log["val_acc"][-1] >= GROK_THRESHOLD:
+                first_grok = epoch
+            if not math.isfinite(log["train_loss"][-1]):
+                raise FloatingPointError(f"training loss became {log['train_loss'][-1]} at epoch {epoch}")
+        if progress is not None:
+            progress(epoch, cfg["epochs"])
+    return {
+        "metrics": {
+            "final_val_acc": log["val_acc"][-1],
+            "final_train_acc": log["train_acc"][-1],
+            "epoch_val_acc_95": first_grok,  # None: never reached within the run
+            "max_qk_isometry": max(log["qk_isometry"]),
+            "collapses": find_collapses(log),
+        },
+        "curves": log,
+        "timings": {"train_s": t_train, "total_s": time.perf_counter() - t_start,
+                    "epochs_per_s": cfg["epochs"] / t_train, "device": str(device), "threads": torch.get_num_threads()},
+    }
+
+
+def find_collapses(log: dict, spike: float = 10.0, fitted: float = 1e-2, recovered: float = GROK_THRESHOLD) -> list[dict]:
+    """Slingshot-style collapses in a logged run.
+
+    A collapse starts where the training loss, after the network has fitted the training set
+    (running minimum below `fitted`), rises above `spike` x that minimum, and ends where it falls
+    back below that level. It is survived if validation accuracy is back at >= `recovered` at
+    some logged point after it ends and before the next collapse starts (or the run ends).
+    """
+    loss, val = log["train_loss"], log["val_acc"]
+    spans: list[tuple[int, int, float]] = []  # (start, end exclusive, loss level before)
+    best, start = math.inf, None
+    for i, value in enumerate(loss):
+        if start is None:
+            if best < fitted and value > spike * best:
+                start = i
+            else:
+                best = min(best, value)
+        elif value <= spike * best:
+            spans.append((start, i, best))
+            start, best = None, value
+    if start is not None:
+        spans.append((start, len(loss), best))
+    events = []
+    for k, (a, b, level) in enumerate(spans):
+        next_start = spans[k + 1][0] if k + 1 < len(spans) else len(loss)
+        events.append({
+            "epoch": log["epoch"][a],
+            "train_loss_before": level,
+            "train_loss_peak": max(loss[a:b]),
+            "val_acc_before": val[a - 1] if a > 0 else None,
+            "val_acc_min": min(val[a:b]),
+            "survived": b < len(loss) and max(val[b:next_start], default=0.0) >= recovered,
+        })
+    return events

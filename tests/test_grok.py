@@ -1,0 +1,113 @@
+"""Grokking: the modular-arithmetic data, the last-position fast path, collapse detection, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stiefel_attention import ModularTransformer, cli
+from stiefel_attention.data import MODULAR_OPS, modular_table, modular_task
+from stiefel_attention.experiments import grok
+
+
+@pytest.mark.parametrize("op", MODULAR_OPS)
+@pytest.mark.parametrize("p", [5, 13, 97])
+def test_every_equation_is_correct_and_present(op, p):
+    tokens, labels = modular_table(p, op)
+    a, b, eq = tokens.unbind(1)
+    assert torch.all(eq == p)  # the "=" token
+    expected_count = p * (p - 1) if op == "/" else p * p
+    assert len(labels) == expected_count
+    assert len({(int(x), int(y)) for x, y in zip(a, b)}) == expected_count  # no duplicate pairs
+    if op == "+":
+        assert torch.equal(labels, (a + b) % p)
+    elif op == "-":
+        assert torch.equal(labels, (a - b) % p)
+    elif op == "*":
+        assert torch.equal(labels, (a * b) % p)
+    else:
+        assert torch.all(b != 0)  # division is defined only for b != 0
+        assert torch.equal((labels * b) % p, a)  # c = a / b  <=>  c * b = a (mod p)
+    assert int(labels.min()) >= 0 and int(labels.max()) < p
+
+
+def test_split_is_disjoint_complete_and_seeded():
+    t1 = modular_task(23, "+", 0.3, split_seed=1)
+    t2 = modular_task(23, "+", 0.3, split_seed=1)
+    t3 = modular_task(23, "+", 0.3, split_seed=2)
+    pairs = lambda tok: {(int(a), int(b)) for a, b, _ in tok}  # noqa: E731
+    assert torch.equal(t1.train_tokens, t2.train_tokens) and torch.equal(t1.val_labels, t2.val_labels)
+    assert pairs(t1.train_tokens) != pairs(t3.train_tokens)
+    assert not pairs(t1.train_tokens) & pairs(t1.val_tokens)
+    assert len(pairs(t1.train_tokens) | pairs(t1.val_tokens)) == 23 * 23
+    assert len(t1.train_labels) == round(0.3 * 529)
+
+
+def test_bad_task_arguments():
+    with pytest.raises(ValueError, match="prime"):
+        modular_table(12, "/")
+    with pytest.raises(ValueError, match="op must be"):
+        modular_table(7, "%")
+    with pytest.raises(ValueError, match="train_fraction"):
+        modular_task(7, "+", 1.5)
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+@pytest.mark.parametrize("layernorm", [False, True])
+@pytest.mark.parametrize("qk", ["stiefel", "euclidean"])
+def test_fast_path_equals_plain_forward_and_its_gradients(n_layers, layernorm, qk):
+    torch.manual_seed(0)
+    model = ModularTransformer(23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=n_layers, layernorm=layernorm, qk=qk).double()
+    tokens = modular_task(23, "*", 0.5, 0).train_tokens
+    fast, full = model(tokens), model.forward_full(tokens)
+    assert (fast - full).abs().max() < 1e-12
+    g_fast = torch.autograd.grad(fast.square().sum(), list(model.parameters()))
+    g_full = torch.autograd.grad(full.square().sum(), list(model.parameters()))
+    assert max(float((a - b).abs().max()) for a, b in zip(g_fast, g_full)) < 1e-10
+
+
+def test_find_collapses_counts_spikes_and_recovery():
+    log = {"epoch": list(range(10)),
+           "train_loss": [2, 0.5, 1e-3, 5e-4, 0.1, 0.2, 4e-4, 3e-4, 0.5, 0.4],
+           "val_acc": [0.1, 0.5, 0.99, 0.99, 0.6, 0.5, 0.97, 0.98, 0.3, 0.2]}
+    events = grok.find_collapses(log)
+    assert [e["epoch"] for e in events] == [4, 8]
+    assert events[0]["survived"] and not events[1]["survived"]
+    assert events[0]["val_acc_min"] == 0.5 and events[0]["train_loss_peak"] == 0.2
+    assert grok.find_collapses({"epoch": [1, 2], "train_loss": [1.0, 0.5], "val_acc": [0.1, 0.2]}) == []
+
+
+def test_qk_isometry_column_normalised_for_euclidean():
+    torch.manual_seed(0)
+    model = ModularTransformer(7, d_model=16, n_heads=2, head_dim=4, d_mlp=16, qk="euclidean", qk_init="orthonormal")
+    with torch.no_grad():
+        model.blocks[0].attn.w_q.mul_(3.0)  # scaling columns does not change the measure
+    assert grok.qk_isometry(model) < 1e-5
+    with torch.no_grad():
+        model.blocks[0].attn.w_q[0, :, 1] = model.blocks[0].attn.w_q[0, :, 0]  # two equal columns
+    assert grok.qk_isometry(model) == pytest.approx(2 ** 0.5, rel=1e-4)  # two off-diagonal ones
+
+
+def test_slingshot_regularises_everything_but_qk():
+    cfg = grok.cells("slingshot", "smoke")[0].config
+    assert cfg["arm"] == "adamw" and cfg["regularize"] == "non-qk" and cfg["weight_decay"] > 0
+    torch.manual_seed(0)
+    model = ModularTransformer(23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, qk="euclidean")
+    opt = grok._build(cfg, model)
+    decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert decay[id(model.blocks[0].attn.w_q)] == 0.0 and decay[id(model.blocks[0].attn.w_k)] == 0.0
+    assert decay[id(model.unembed.weight)] == cfg["weight_decay"] and decay[id(model.embed.weight)] == cfg["weight_decay"]
+
+
+def test_cli_single_smoke(tmp_path, capsys):
+    args = ["grok", "--experiment", "single", "--profile", "smoke", "--out", str(tmp_path), "--jobs", "1", "--no-progress"]
+    assert cli.main(args) == 0
+    summary = json.loads((tmp_path / "single" / "summary.json").read_text())
+    arms = {r["arm"]: r for r in summary["runs"]}
+    assert set(arms) == {"adamw", "stiefel-adam"}
+    assert arms["stiefel-adam"]["max_qk_isometry"] < 1e-5
+    assert arms["adamw"]["max_qk_isometry"] > 1e-3
+    assert (tmp_path / "single" / "curves.png").exists()
+    assert "97.0%" in capsys.readouterr().out  # the paper's claim is printed beside the measurement
