@@ -304,3 +304,19 @@ def test_real_smoke_experiment_on_shared_data(tmp_path):
     assert summary["n_records"] == 10
     accs = [d["mean"] for d in summary["arms"].values()]
     assert all(10.0 < a < 60.0 for a in accs)  # above chance (10%) after 2 short epochs
+
+
+def test_report_rebuilds_summaries_from_records_alone(fake_cifar, tmp_path, capsys):
+    args = ["cifar", "--experiment", "movement", "--profile", "smoke", "--seeds", "2", "--n", str(N_TRAIN),
+            "--data", fake_cifar, "--out", str(tmp_path / "cifar"), "--jobs", "1", "--no-progress"]
+    assert cli.main(args) == 0
+    first = json.loads((tmp_path / "cifar" / "movement" / "summary.json").read_text())
+    for p in (tmp_path / "cifar" / "movement").iterdir():
+        p.unlink()  # only the run records remain
+    assert cli.main(["report", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "cifar" / "movement" / "summary.json").read_text())
+    assert again["ratios"] == first["ratios"]
+    readme = (tmp_path / "README.md").read_text()
+    assert "24-40x" in readme and "cifar/movement" in readme
+    assert "Not yet run" in readme and "grok/study" in readme
+    assert cli.main(["report", str(tmp_path / "missing")]) == 2

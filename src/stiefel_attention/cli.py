@@ -4,6 +4,7 @@
     stiefel-attention demo [--steps N]                   a tiny training run, adamw vs stiefel-adam
     stiefel-attention cifar --experiment NAME --profile smoke|cpu|paper [--seeds N] [--out DIR] [--data PATH]
     stiefel-attention grok --experiment single|study|slingshot --profile smoke|cpu|paper [--out DIR]
+    stiefel-attention report [DIR]                       rebuild summaries, plots, results/README.md
 
 Bad arguments and data problems end in one clear line on stderr and a non-zero exit, never a
 traceback (set STIEFEL_ATTENTION_DEBUG=1 to see the traceback).
@@ -134,6 +135,16 @@ def _cmd_grok(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import rebuild_all
+
+    if not Path(args.dir).is_dir():
+        raise UsageError(f"{args.dir} is not a folder (expected a results folder with cifar/runs or grok/runs)")
+    for path in rebuild_all(args.dir):
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stiefel-attention", description="Stiefel attention: library and benchmark suite.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: one per core; 1 runs in this process)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_grok)
+
+    p = sub.add_parser("report", help="rebuild every summary, plot and results README from the run records")
+    p.add_argument("dir", nargs="?", default="results", help="results folder (default: results)")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -101,9 +101,10 @@ def _cell(cfg: dict) -> Cell:
 
 
 # Grids of the learning-rate sweep (validation split, 2 seeds): AdamW's lr for the adamw arm,
-# then the frames' lr for each Stiefel rule with the non-frame parameters at the profile's lr.
+# then the frames' lr for each Stiefel rule with the non-frame parameters at the profile's lr. The
+# fixed-step grid was extended twice because its best value sat on the edge (1.0, then 3.0).
 LR_GRID = (5e-4, 1e-3, 2e-3, 4e-3)
-FRAME_LR_GRID = {"stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1), "stiefel-sgd": (0.03, 0.1, 0.3, 1.0, 3.0)}
+FRAME_LR_GRID = {"stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1), "stiefel-sgd": (0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)}
 
 
 def cells(experiment: str, profile: str, seeds: int, n: int | None = None) -> list[Cell]:
