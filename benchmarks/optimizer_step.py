@@ -1,7 +1,10 @@
 """Time one optimizer step on ViT-B-shaped W_Q, W_K frames, side by side, and the end-to-end
 training-step overhead of the stiefel-adam arm over the adamw arm on the default PatchViT.
 
-    python benchmarks/optimizer_step.py [--repeats 15] [--threads N] [--json out.json]
+    python benchmarks/optimizer_step.py [--repeats 15] [--threads N] [--json out.json] [--readme README.md]
+
+With --readme, the measured table replaces the block between the benchmark markers in that file,
+so the README shows exactly what the last committed run printed.
 
 Step benchmark: 12 layers x (W_Q, W_K), each 12 heads of St(768, 64).
 - StiefelAdam: 24 frame tensors of shape (12, 768, 64), trust region on and off;
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -100,6 +104,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--batch", type=int, default=128, help="batch size of the training-step benchmark")
     ap.add_argument("--json", default=None, help="also write the medians and ratios to this file")
+    ap.add_argument("--readme", default=None, help="replace the benchmark block of this markdown file with the table")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,10 +128,44 @@ def main() -> None:
     for name, t in train.items():
         print(f"{name:<28}{t * 1e3:>10.1f} ms")
     print(f"stiefel-adam overhead over adamw: {100 * overhead:+.1f}%")
+    result = {"optimizer_step_s": step, "training_step_s": train, "overhead": overhead, "repeats": args.repeats,
+              "batch": args.batch, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "machine": f"{os.cpu_count()} cores, {platform.machine()}"}
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"optimizer_step_s": step, "training_step_s": train, "overhead": overhead,
-                       "torch": torch.__version__, "threads": torch.get_num_threads()}, f, indent=2)
+            json.dump(result, f, indent=2)
+    if args.readme:
+        replace_block(args.readme, markdown_table(result))
+
+
+def markdown_table(result: dict) -> str:
+    step, train = result["optimizer_step_s"], result["training_step_s"]
+    base = step["AdamW(foreach)"]
+    lines = [f"One optimizer step on the W_Q, W_K of a ViT-B-shaped model ({2 * LAYERS} x {HEADS} frames of "
+             f"St({D_MODEL}, {HEAD_DIM})), median of {result['repeats']} round-robin rounds, torch {result['torch']}, "
+             f"{result['threads']} threads on {result['machine']} (`benchmarks/optimizer_step.py`):", "",
+             "| method | median ms | x AdamW |", "|---|---|---|"]
+    lines += [f"| {name} | {t * 1e3:.1f} | {t / base:.2f} |" for name, t in step.items()]
+    if "geoopt RiemannianAdam" in step:
+        g = step["geoopt RiemannianAdam"]
+        lines += ["", "StiefelAdam is " + " and ".join(
+            f"{g / step[n]:.2f}x ({n})" for n in ("StiefelAdam(max_step=0.1)", "StiefelAdam(no cap)")) + " faster than geoopt's RiemannianAdam."]
+    lines += ["", f"End to end, one training step of the default PatchViT (batch {result['batch']}): adamw arm "
+              f"{train['adamw'] * 1e3:.1f} ms, stiefel-adam arm {train['stiefel-adam'] * 1e3:.1f} ms: "
+              f"overhead {100 * result['overhead']:+.1f}%."]
+    return "\n".join(lines)
+
+
+def replace_block(path: str, text: str, start: str = "<!-- benchmark:start -->", end: str = "<!-- benchmark:end -->") -> None:
+    with open(path) as f:
+        content = f.read()
+    if start not in content or end not in content:
+        raise SystemExit(f"{path} has no {start} ... {end} block")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{start}\n{text}\n{end}{tail}")
 
 
 if __name__ == "__main__":
