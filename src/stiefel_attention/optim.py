@@ -245,13 +245,15 @@ def stiefel_adam(
     projector: bool = True,
     second_moment: str = "frame",
     batched: bool | None = None,
+    precomputed: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> None:
     """One StiefelAdam step on lists of frame tensors, in place.
 
     exp_avg_sqs[i] has shape params[i].shape[:-2] (one scalar per frame) when
     second_moment == "frame", and params[i].shape when "coordinate". The batched path covers
     the paper's rule (projector on, one scalar per frame, contiguous frames); the ablations
-    always take the single-tensor path.
+    always take the single-tensor path. `precomputed` = (W^T G, ||P_W G||^2) per tensor, as
+    returned by `_batched_tangent_sq_norms`, lets a caller check several batches before writing.
     """
     fast_ok = projector and second_moment == "frame" and all(p.is_contiguous() for p in params)
     if batched is None:
@@ -260,7 +262,7 @@ def stiefel_adam(
         raise ValueError("the batched path needs projector=True, second_moment='frame' and contiguous frames")
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, max_step=max_step, weight_decay=weight_decay)
     if batched:
-        _batched_stiefel_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, **kw)
+        _batched_stiefel_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, precomputed=precomputed, **kw)
     else:
         _single_tensor_stiefel_adam(
             params, grads, exp_avgs, exp_avg_sqs, state_steps, projector=projector, second_moment=second_moment, **kw
@@ -298,7 +300,7 @@ def _single_tensor_stiefel_adam(
         W.copy_(polar_retract(W, xi))
 
 
-def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor], check: bool = True) -> tuple[list[Tensor], list[Tensor]]:
     """Per parameter: A = W^T G, shape (n, r, r), and ||P_W(G)||_F^2 per frame, shape (n,).
 
     ||P_W G||^2 = ||G||^2 - ||sym(W^T G)||^2 because P_W is the orthogonal projection whose
@@ -313,9 +315,10 @@ def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor]) -> tupl
         sq = torch.linalg.vector_norm(G3, dim=(-2, -1)).square() - torch.linalg.matrix_norm(sym(A)).square()
         As.append(A)
         sq_norms.append(sq.clamp_min_(0.0))  # round-off can push an all-normal gradient below 0
-    finite = torch.stack([torch.isfinite(sq).all() for sq in sq_norms])
-    if not bool(finite.all()):
-        _raise_non_finite(torch.nonzero(~finite).flatten().tolist())
+    if check:
+        finite = torch.stack([torch.isfinite(sq).all() for sq in sq_norms])
+        if not bool(finite.all()):
+            _raise_non_finite(torch.nonzero(~finite).flatten().tolist())
     return As, sq_norms
 
 
@@ -333,14 +336,14 @@ def _batched_moment_update(W: Tensor, G: Tensor, m: Tensor, A: Tensor, beta: flo
 
 def _batched_stiefel_adam(
     params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, *,
-    lr, beta1, beta2, eps, max_step, weight_decay,
+    lr, beta1, beta2, eps, max_step, weight_decay, precomputed=None,
 ) -> None:
     # weight_decay is not used here: P_W(weight_decay * W) = 0 on St(d, r) (see module docstring).
     if not params:
         return
     if workspaces is None:
         workspaces = [torch.empty_like(p) for p in params]
-    As, sq_norms = _batched_tangent_sq_norms(params, grads)
+    As, sq_norms = precomputed if precomputed is not None else _batched_tangent_sq_norms(params, grads)
     coefs = []  # per frame: xi = -coef * m
     for W, G, m, v, step_t, A, sq in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms):
         step_t += 1
@@ -398,6 +401,7 @@ def stiefel_sgd(
     max_step: float | None,
     weight_decay: float,
     batched: bool | None = None,
+    precomputed: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> None:
     """One fixed-step Riemannian SGD step: xi = -lr * m, m = P_W(momentum * m + grad)."""
     if not params:
@@ -417,7 +421,7 @@ def stiefel_sgd(
         return
     if workspaces is None:
         workspaces = [torch.empty_like(p) for p in params]
-    As, _ = _batched_tangent_sq_norms(params, grads)  # the norms serve as the finiteness check
+    As, _ = precomputed if precomputed is not None else _batched_tangent_sq_norms(params, grads)  # norms: finiteness check
     if momentum != 0.0:
         for W, G, buf, A in zip(params, grads, momentum_buffers, As):
             _batched_moment_update(W, G, buf, A, momentum, 1.0)
@@ -490,6 +494,55 @@ class _StiefelOptimizer(Optimizer):
             raise RuntimeError("Stiefel optimizers do not support sparse gradients")
         return p.grad
 
+    def _batches(self, n_lists: int, fill) -> list[tuple[dict, list[list], list[str]]]:
+        """Group the parameters with gradients by frame shape, within each param group.
+
+        fill(group, p, state) -> the per-parameter items after (p, grad). Returns
+        (group, lists, names) per batch; lists[0] are the frames and lists[1] their gradients.
+        """
+        batches = []
+        for gi, group in enumerate(self.param_groups):
+            per_key: dict[tuple, tuple[list[list], list[str]]] = {}
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                key = (p.shape[-2], p.shape[-1], p.dtype, p.device)  # frames of one shape: one batch
+                lists, names = per_key.setdefault(key, ([[] for _ in range(n_lists)], []))
+                for lst, item in zip(lists, (p, self._grad_of(p), *fill(group, p, self.state[p]))):
+                    lst.append(item)
+                names.append(f"param_groups[{gi}]['params'][{i}]")
+            batches += [(group, lists, names) for lists, names in per_key.values()]
+        return batches
+
+    @staticmethod
+    def _check_all(batches: list, fast: list[bool]) -> list:
+        """Tangent quantities of every fast batch and one finiteness check over ALL batches.
+
+        Nothing is written before every gradient of every group and shape has been checked, so
+        a refused step leaves frames and state exactly as they were.
+        """
+        pre, finite, names = [], [], []
+        for (group, lists, batch_names), is_fast in zip(batches, fast):
+            params, grads = lists[0], lists[1]
+            if is_fast:
+                As, sq = _batched_tangent_sq_norms(params, grads, check=False)
+                pre.append((As, sq))
+                finite += [torch.isfinite(x).all() for x in sq]
+            else:
+                pre.append(None)
+                finite += [torch.isfinite(g).all() for g in grads]
+            names += batch_names
+        if finite:
+            ok = torch.stack(finite)
+            if not bool(ok.all()):
+                bad = [names[i] for i in torch.nonzero(~ok).flatten().tolist()]
+                raise NonFiniteGradientError(
+                    f"non-finite gradient (NaN or inf) in {', '.join(bad)}; the step was refused and no frame or "
+                    "optimizer state was changed. Lower the learning rate, use a GradScaler, or catch "
+                    "NonFiniteGradientError to skip the batch."
+                )
+        return pre
+
 
 class StiefelAdam(_StiefelOptimizer):
     """Riemannian Adam on St(d, r) with one scalar second moment per frame.
@@ -554,34 +607,26 @@ class StiefelAdam(_StiefelOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        refuse_non_finite_grads(self.param_groups)  # before any group or shape is stepped
-        for group in self.param_groups:
-            per_key: dict[tuple, list[list[Tensor]]] = defaultdict(lambda: [[], [], [], [], [], []])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self._grad_of(p)
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    v_shape = p.shape[:-2] if group["second_moment"] == "frame" else p.shape
-                    state["exp_avg_sq"] = torch.zeros(v_shape, dtype=p.dtype, device=p.device)
-                # Frames of one shape are stepped as one batch.
-                lists = per_key[(p.shape[-2], p.shape[-1], p.dtype, p.device)]
-                for lst, item in zip(
-                    lists, (p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], self._workspace(p))
-                ):
-                    lst.append(item)
+        def state_items(group, p, state):
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                v_shape = p.shape[:-2] if group["second_moment"] == "frame" else p.shape
+                state["exp_avg_sq"] = torch.zeros(v_shape, dtype=p.dtype, device=p.device)
+            return state["exp_avg"], state["exp_avg_sq"], state["step"], self._workspace(p)
+
+        batches = self._batches(6, state_items)
+        fast = [g["batched"] is not False and g["projector"] and g["second_moment"] == "frame"
+                and all(p.is_contiguous() for p in lists[0]) for g, lists, _ in batches]
+        precomputed = self._check_all(batches, fast)
+        for (group, lists, _), is_fast, pre in zip(batches, fast, precomputed):
             beta1, beta2 = group["betas"]
-            for params, grads, exp_avgs, exp_avg_sqs, steps, workspaces in per_key.values():
-                stiefel_adam(
-                    params, grads, exp_avgs, exp_avg_sqs, steps, workspaces,
-                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    max_step=group["max_step"], weight_decay=group["weight_decay"],
-                    projector=group["projector"], second_moment=group["second_moment"],
-                    batched=group["batched"],
-                )
+            stiefel_adam(
+                *lists, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                max_step=group["max_step"], weight_decay=group["weight_decay"],
+                projector=group["projector"], second_moment=group["second_moment"],
+                batched=is_fast, precomputed=pre,
+            )
         return loss
 
 
@@ -617,24 +662,19 @@ class StiefelSGD(_StiefelOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        refuse_non_finite_grads(self.param_groups)  # before any group or shape is stepped
-        for group in self.param_groups:
-            per_key: dict[tuple, list[list]] = defaultdict(lambda: [[], [], [], []])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self._grad_of(p)
-                state = self.state[p]
-                if group["momentum"] != 0.0 and "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                lists = per_key[(p.shape[-2], p.shape[-1], p.dtype, p.device)]
-                for lst, item in zip(lists, (p, grad, state.get("momentum_buffer"), self._workspace(p))):
-                    lst.append(item)
-            for params, grads, bufs, workspaces in per_key.values():
-                stiefel_sgd(
-                    params, grads, bufs, workspaces, lr=group["lr"], momentum=group["momentum"],
-                    max_step=group["max_step"], weight_decay=group["weight_decay"], batched=group["batched"],
-                )
+        def state_items(group, p, state):
+            if group["momentum"] != 0.0 and "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            return state.get("momentum_buffer"), self._workspace(p)
+
+        batches = self._batches(4, state_items)
+        fast = [g["batched"] is not False and all(p.is_contiguous() for p in lists[0]) for g, lists, _ in batches]
+        precomputed = self._check_all(batches, fast)
+        for (group, lists, _), is_fast, pre in zip(batches, fast, precomputed):
+            stiefel_sgd(
+                *lists, lr=group["lr"], momentum=group["momentum"], max_step=group["max_step"],
+                weight_decay=group["weight_decay"], batched=is_fast, precomputed=pre,
+            )
         return loss
 
 
@@ -661,11 +701,13 @@ class MixedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Check every gradient first: AdamW would otherwise write NaN into the model before the
-        # frames' optimizer refuses the step.
-        refuse_non_finite_grads(self.param_groups)
-        for opt in self.optimizers.values():
-            opt.step()
+        # Nothing may be written before every gradient is known to be finite: check the plain
+        # optimizers' gradients here, then step the Stiefel ones first (they check their own
+        # before writing, without an extra pass), then the rest.
+        checks_itself = {name: isinstance(opt, _StiefelOptimizer) for name, opt in self.optimizers.items()}
+        refuse_non_finite_grads([g for name, opt in self.optimizers.items() if not checks_itself[name] for g in opt.param_groups])
+        for name in sorted(self.optimizers, key=lambda n: not checks_itself[n]):
+            self.optimizers[name].step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
