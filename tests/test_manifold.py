@@ -22,7 +22,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stiefel_attention import manifold
 from stiefel_attention import optim
 from stiefel_attention.manifold import (
     check_frames,

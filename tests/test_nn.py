@@ -11,7 +11,6 @@ from torch import nn
 
 from stiefel_attention.manifold import isometry_error, random_frame
 from stiefel_attention.nn import (
-    QK_INITS,
     QK_MODES,
     Block,
     ModularTransformer,

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .manifold import isometry_error, project_tangent, random_frame, sym
+from .manifold import isometry_error, project_tangent, random_frame
 from .nn import StiefelAttention
 from .optim import StiefelAdam, StiefelSGD, inv_sqrt_gram
 

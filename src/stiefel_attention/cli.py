@@ -109,7 +109,7 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
     records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
                                   desc=f"cifar {args.experiment}")
     finished = [records[c.key] for c in cells if c.key in records]
-    summary = write_cifar_report(out, args.experiment, finished, args.profile)
+    write_cifar_report(out, args.experiment, finished, args.profile)
     print((out / args.experiment / "summary.md").read_text())
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)

@@ -43,7 +43,6 @@ non-finite gradients, so it composes with this.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
