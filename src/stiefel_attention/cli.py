@@ -90,13 +90,21 @@ def _executor(jobs: int | None):
     return InlineExecutor() if jobs == 1 else LocalExecutor(jobs)
 
 
+def records_of(runs_dir: Path, cell) -> dict | None:
+    """The finished record of a cell, if any."""
+    import json
+
+    path = cell.path(runs_dir)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _cmd_cifar(args: argparse.Namespace) -> int:
     from .data import DataError, load_cifar10
     from .experiments import cifar
     from .report import write_cifar_report
     from .runner import run_cells
 
-    seeds = args.seeds if args.seeds is not None else (2 if args.profile == "smoke" else 12)
+    seeds = args.seeds if args.seeds is not None else (2 if args.profile == "smoke" else cifar.DEFAULT_SEEDS[args.experiment])
     cells = cifar.cells(args.experiment, args.profile, seeds, n=args.n)
     try:  # fail fast, in this process, with the data module's message; also builds the cache once
         ds = load_cifar10(args.data)
@@ -109,7 +117,11 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
     records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
                                   desc=f"cifar {args.experiment}")
     finished = [records[c.key] for c in cells if c.key in records]
-    write_cifar_report(out, args.experiment, finished, args.profile)
+    sweep = None
+    if args.experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
+        sweep = [records_of(out / "runs", c) for c in cifar.cells("lr-sweep", args.profile, cifar.DEFAULT_SEEDS["lr-sweep"])]
+        sweep = [r for r in sweep if r is not None]
+    write_cifar_report(out, args.experiment, finished, args.profile, n_planned=len(cells), sweep_records=sweep)
     print((out / args.experiment / "summary.md").read_text())
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
@@ -128,7 +140,7 @@ def _cmd_grok(args: argparse.Namespace) -> int:
     records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
                                   desc=f"grok {args.experiment}")
     finished = [records[c.key] for c in cells if c.key in records]
-    write_grok_report(out, args.experiment, finished, args.profile)
+    write_grok_report(out, args.experiment, finished, args.profile, n_planned=len(cells))
     print((out / args.experiment / "summary.md").read_text())
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
@@ -163,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cifar", help="CIFAR-10 patch benchmark experiments (paired seeds)")
     p.add_argument("--experiment", required=True, choices=EXPERIMENTS)
     p.add_argument("--profile", default="cpu", choices=list(PROFILES), help="model/training size (default cpu)")
-    p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default 12; 2 for smoke)")
+    p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default: 12, 5 for scaling, 2 for lr-sweep and smoke)")
     p.add_argument("--n", type=int, default=None, help="training images for main/ablation/eps (default: the profile's)")
     p.add_argument("--out", default="results/cifar", help="results folder; runs/ inside is shared by experiments")
     p.add_argument("--data", default=None, help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places")

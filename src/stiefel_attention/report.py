@@ -114,11 +114,39 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
     return summary
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else 0.5 * (xs[k - 1] + xs[k])
+
+
+def movement_vs_lr(sweep_records: list[dict]) -> list[dict]:
+    """From the lr-sweep runs: AdamW (at its chosen lr) / fixed-step SGD movement, per SGD lr.
+
+    A fixed-step update moves lr x ||m|| per step, so the ratio the paper reports depends on the
+    learning rate it was run at; the sweep shows that dependence on the same seeds.
+    """
+    if not sweep_records:
+        return []
+    chosen = _lr_sweep_summary(sweep_records)["chosen"].get("adamw", {}).get("lr")
+    base = {r["config"]["seed"]: r["curves"]["movement_median"] for r in sweep_records
+            if r["config"]["arm"] == "adamw" and r["config"]["lr"] == chosen}
+    rows = []
+    for lr in sorted({r["config"]["frame_lr"] for r in sweep_records if r["config"]["arm"] == "stiefel-sgd"}):
+        ratios = [b / a for r in sweep_records if r["config"]["arm"] == "stiefel-sgd" and r["config"]["frame_lr"] == lr
+                  and r["config"]["seed"] in base for a, b in zip(r["curves"]["movement_median"], base[r["config"]["seed"]]) if a > 0]
+        if ratios:
+            rows.append({"sgd_frame_lr": lr, "adamw_lr": chosen, "median_ratio": _median(ratios)})
+    return rows
+
+
 def _movement_summary(records: list[dict]) -> dict:
     """Ratio of AdamW's per-step Q/K movement to each Stiefel arm's, per epoch, over paired seeds."""
     curves: dict[str, dict[int, list[float]]] = defaultdict(dict)
+    curves_lr: dict[str, float] = {}
     for rec in records:
         curves[rec["config"]["arm"]][rec["config"]["seed"]] = rec["curves"]["movement_median"]
+        curves_lr[rec["config"]["arm"]] = rec["config"]["lr"] if rec["config"]["arm"].startswith("adamw") else rec["config"]["frame_lr"]
     out: dict = {"ratios": {}, "paper": list(claims.CIFAR_MOVEMENT_PAPER), "text": claims.CIFAR_MOVEMENT_TEXT}
     base = curves.get("adamw", {})
     for arm in ("stiefel-sgd", "stiefel-adam"):
@@ -127,12 +155,13 @@ def _movement_summary(records: list[dict]) -> dict:
             continue
         per_seed = [[b / a if a > 0 else math.inf for a, b in zip(curves[arm][s], base[s])] for s in seeds]
         flat = sorted(r for seq in per_seed for r in seq)
-        median = flat[len(flat) // 2] if len(flat) % 2 else 0.5 * (flat[len(flat) // 2 - 1] + flat[len(flat) // 2])
+        median = _median(flat)
         lo, hi = claims.CIFAR_MOVEMENT_PAPER
         out["ratios"][arm] = {
             "seeds": seeds, "per_epoch": per_seed, "median": median, "min": flat[0], "max": flat[-1],
-            "verdict": (f"replicates: median {median:.1f}x within the paper's {lo:g}-{hi:g}x" if lo <= median <= hi
-                        else f"does not replicate: median {median:.1f}x (range {flat[0]:.1f}-{flat[-1]:.1f}x) vs the paper's {lo:g}-{hi:g}x")
+            "lr": curves_lr.get(arm),
+            "verdict": (f"replicates: median {median:.3g}x within the paper's {lo:g}-{hi:g}x" if lo <= median <= hi
+                        else f"does not replicate: median {median:.3g}x (range {flat[0]:.3g}-{flat[-1]:.3g}x) vs the paper's {lo:g}-{hi:g}x")
             if arm == "stiefel-sgd" else "for reference (the paper's claim is about the fixed-step rule)",
         }
     return out
@@ -177,8 +206,9 @@ def _md_comparisons(summary: dict) -> list[str]:
 
 def summary_markdown(summary: dict, profile: str) -> str:
     exp = summary["experiment"]
+    planned = f" of {summary['n_planned']} planned" if summary.get("n_planned") else ""
     lines = [f"# CIFAR-10 (JPEG mirror) — `{exp}`, profile `{profile}`", "",
-             f"{summary['n_records']} finished runs. Accuracies are final test accuracy in percent "
+             f"{summary['n_records']} finished runs{planned}. Accuracies are final test accuracy in percent "
              "(the lr sweep alone uses a validation split carved from train). Differences are paired by seed.", ""]
     if summary.get("arms"):
         lines += ["| arm | n seeds | mean acc (%) | std |", "|---|---|---|---|"]
@@ -197,8 +227,14 @@ def summary_markdown(summary: dict, profile: str) -> str:
     if exp == "movement":
         lines += [f"Paper: {summary['text']}.", "", "| arm | adamw / arm per-step movement: median | min | max | verdict |", "|---|---|---|---|---|"]
         for arm, r in summary["ratios"].items():
-            lines.append(f"| {arm} | {r['median']:.1f}x | {r['min']:.1f}x | {r['max']:.1f}x | {r['verdict']} |")
+            lines.append(f"| {arm} (frame lr {r.get('lr')}) | {r['median']:.3g}x | {r['min']:.3g}x | {r['max']:.3g}x | {r['verdict']} |")
         lines.append("")
+        if summary.get("vs_lr"):
+            lines += ["The ratio is set by the fixed-step learning rate (a step moves lr x ||m||). From the lr-sweep runs "
+                      "(validation split, seeds 0-1), AdamW at its chosen lr over fixed-step SGD:", "",
+                      "| SGD frame lr | adamw / stiefel-sgd movement (median) |", "|---|---|"]
+            lines += [f"| {row['sgd_frame_lr']:g} | {row['median_ratio']:.3g}x |" for row in summary["vs_lr"]]
+            lines.append("")
     if exp == "lr-sweep":
         lines += ["| arm | learning rate | mean val acc (%) | n |", "|---|---|---|---|"]
         for row in summary["grid"]:
@@ -230,7 +266,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
                 ax.plot([c["paper"]], [i], "r*", ms=10, label="paper" if i == 0 else None)
         ax.axvline(0, color="gray", lw=0.8)
         ax.set_yticks(range(len(comps)), [f"{c['arm']} − {c['baseline']}" for c in comps])
-        ax.set_xlabel("paired test-accuracy difference (pp): dots = seeds, bar = 95% CI, * = paper")
+        ax.set_xlabel("paired test-accuracy difference (pp)\ndots: seeds; bar: mean and 95% CI; red star: paper")
         ax.invert_yaxis()
         fig.tight_layout()
         fig.savefig(out_dir / "paired_differences.png", dpi=120)
@@ -283,19 +319,25 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
     return made
 
 
-def _write_report(out_dir, experiment: str, summary: dict, make_plots, to_markdown, profile: str) -> dict:
+def _write_report(out_dir, experiment: str, summary: dict, make_plots, to_markdown, profile: str,
+                  n_planned: int | None = None) -> dict:
     """summary.json, summary.md and plots for one experiment, under out_dir/<experiment>/."""
     exp_dir = Path(out_dir) / experiment
     exp_dir.mkdir(parents=True, exist_ok=True)
     summary["profile"] = profile
+    summary["n_planned"] = n_planned
     summary["plots"] = make_plots(summary, exp_dir) if summary["n_records"] else []
     write_json_atomic(exp_dir / "summary.json", summary)
     (exp_dir / "summary.md").write_text(to_markdown(summary, profile))
     return summary
 
 
-def write_cifar_report(out_dir: str | Path, experiment: str, records: list[dict], profile: str) -> dict:
-    return _write_report(out_dir, experiment, cifar_summary(experiment, records), _plots, summary_markdown, profile)
+def write_cifar_report(out_dir: str | Path, experiment: str, records: list[dict], profile: str,
+                       n_planned: int | None = None, sweep_records: list[dict] | None = None) -> dict:
+    summary = cifar_summary(experiment, records)
+    if experiment == "movement":
+        summary["vs_lr"] = movement_vs_lr(sweep_records or [])
+    return _write_report(out_dir, experiment, summary, _plots, summary_markdown, profile, n_planned)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +397,7 @@ def _study_verdict(st_epoch: dict, st_acc: dict) -> str:
 def grok_markdown(summary: dict, profile: str) -> str:
     exp = summary["experiment"]
     lines = [f"# Grokking (modular arithmetic) — `{exp}`, profile `{profile}`", "",
-             f"{summary['n_records']} finished runs.", "",
+             f"{summary['n_records']} finished runs" + (f" of {summary['n_planned']} planned." if summary.get("n_planned") else "."), "",
              "| op | arm | seed | epochs | final val acc (%) | epoch val acc >= 95% | max Q/K isometry error | collapses (survived) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
@@ -445,9 +487,10 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
     return made
 
 
-def write_grok_report(out_dir: str | Path, experiment: str, records: list[dict], profile: str) -> dict:
+def write_grok_report(out_dir: str | Path, experiment: str, records: list[dict], profile: str,
+                      n_planned: int | None = None) -> dict:
     plots = lambda summary, exp_dir: _grok_plots(summary, records, exp_dir)  # noqa: E731 - needs the curves
-    return _write_report(out_dir, experiment, grok_summary(experiment, records), plots, grok_markdown, profile)
+    return _write_report(out_dir, experiment, grok_summary(experiment, records), plots, grok_markdown, profile, n_planned)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,9 +514,15 @@ def rebuild_all(results_dir: str | Path) -> list[Path]:
             for exp in module.EXPERIMENTS:
                 keys = {c.key for n in sizes for c in (cifar.cells(exp, profile, seeds, n=n) if family == "cifar" else module.cells(exp, profile, seeds))}
                 finished = [by_key[k] for k in sorted(keys) if k in by_key]
-                if finished:
-                    writer(results_dir / family, exp, finished, profile)
-                    written.append(results_dir / family / exp / "summary.json")
+                if not finished:
+                    continue
+                planned = len({c.key for c in module.cells(exp, profile, module.DEFAULT_SEEDS[exp])})
+                if family == "cifar" and exp == "movement":
+                    sweep = [by_key[c.key] for c in cifar.cells("lr-sweep", profile, seeds) if c.key in by_key]
+                    writer(results_dir / family, exp, finished, profile, planned, sweep_records=sweep)
+                else:
+                    writer(results_dir / family, exp, finished, profile, planned)
+                written.append(results_dir / family / exp / "summary.json")
     written.append(write_results_readme(results_dir))
     return written
 
@@ -490,7 +539,8 @@ def write_results_readme(results_dir: str | Path) -> Path:
     for path in sorted(results_dir.glob("*/*/summary.json")):
         s = json.loads(path.read_text())
         family, exp = path.parent.parent.name, path.parent.name
-        link = f"[{family}/{exp}]({family}/{exp}/summary.md)"
+        done = f" ({s['n_records']}/{s['n_planned']} runs)" if s.get("n_planned") else ""
+        link = f"[{family}/{exp}]({family}/{exp}/summary.md){done}"
         prof = s.get("profile", "?")
         if family == "cifar" and exp == "lr-sweep":
             chosen = ", ".join(f"{a}: {r['which_lr']}={r['lr']:g}" for a, r in s["chosen"].items())

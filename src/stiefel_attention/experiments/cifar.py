@@ -60,6 +60,8 @@ ABLATION_ARMS = ("stiefel-adam", "no-projector", "coordinate-moment", "stiefel-s
 SCALING_NS = (1000, 5000, 10000, 50000)
 EPS_VALUES = (1e-8, 1e-4, 1e-3, 1e-2, 0.1)
 EXPERIMENTS = ("main", "scaling", "ablation", "eps", "movement", "lr-sweep")
+# Paired seeds per experiment in our protocol (the CLI's defaults for the cpu and paper profiles).
+DEFAULT_SEEDS = {"main": 12, "scaling": 5, "ablation": 12, "eps": 12, "movement": 12, "lr-sweep": 2}
 
 
 def epochs_for(n: int, profile: dict) -> int:

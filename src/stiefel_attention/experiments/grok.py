@@ -43,6 +43,7 @@ BASE = dict(lr=1e-3, frame_lr=1e-3, betas=[0.9, 0.98], weight_decay=1.0, warmup_
             max_step=0.1, regularize="all")
 ARMS = ("adamw", "stiefel-adam")
 EXPERIMENTS = ("single", "study", "slingshot")
+DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1}
 STUDY_OPS = ("+", "-")
 GROK_THRESHOLD = 0.95
 
