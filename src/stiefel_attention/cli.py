@@ -110,7 +110,7 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
         ds = load_cifar10(args.data)
     except DataError as err:
         raise UsageError(str(err)) from None
-    options = {"data": ds.source, "device": args.device}
+    options = {"data": ds.source, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     out = Path(args.out)
     print(f"cifar {args.experiment}: {len(cells)} runs ({seeds} seeds, profile {args.profile}), data {ds.source}, records in {out / 'runs'}")
@@ -134,7 +134,8 @@ def _cmd_grok(args: argparse.Namespace) -> int:
     from .runner import run_cells
 
     cells = grok.cells(args.experiment, args.profile, args.seeds)
-    cells = [type(c)(c.family, c.name, c.config, {"device": args.device}) for c in cells]
+    options = {"device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
+    cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     out = Path(args.out)
     print(f"grok {args.experiment}: {len(cells)} runs (profile {args.profile}), records in {out / 'runs'}")
     records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,

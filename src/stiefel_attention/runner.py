@@ -83,6 +83,24 @@ def code_version() -> str:
     return f"stiefel-attention {__version__}"
 
 
+class Heartbeat:
+    """Progress of one long run as a line on stderr at most every `every_s` seconds.
+
+    Pool workers cannot draw into the parent's progress bar; a 15-minute run should still say
+    that it is alive and how far it got.
+    """
+
+    def __init__(self, name: str, every_s: float):
+        self.name, self.every_s = name, every_s
+        self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every_s or done == total:
+            self.last = now
+            print(f"  {self.name}: epoch {done}/{total}", file=sys.stderr, flush=True)
+
+
 def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     """Run one cell in this process and return its record (config, metrics, curves, timings)."""
     import torch
@@ -100,8 +118,12 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     # Denormals slow small-gradient training several-fold on CPUs. Flushing them is a process-wide
     # switch (torch has no getter), so it is switched back off for the caller afterwards.
     torch.set_flush_denormal(True)
+    options = dict(cell.options)
+    heartbeat_s = options.pop("heartbeat_s", None)
+    if heartbeat_s:
+        options["progress"] = Heartbeat(cell.name, heartbeat_s)
     try:
-        result = family.run(cell.config, **cell.options)
+        result = family.run(cell.config, **options)
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads_before)
