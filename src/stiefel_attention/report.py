@@ -221,6 +221,8 @@ def summary_markdown(summary: dict, profile: str) -> str:
         lines.append("")
     if summary.get("comparisons"):
         lines += _md_comparisons(summary) + [""]
+        lines += [f"Note on {c['arm']} vs {c['baseline']}: {c['note']}." for c in summary["comparisons"] if c.get("note")]
+        lines += [""] if any(c.get("note") for c in summary["comparisons"]) else []
     if "lead_grows_with_n" in summary:
         lines += [f"Lead of stiefel-adam over adamw increases monotonically with n: **{summary['lead_grows_with_n']}** "
                   f"(paper: {claims.CIFAR_SCALING_TEXT}).", ""]
