@@ -25,9 +25,10 @@ that the tests hold to each other:
       A = W^T G,  B = W^T m,  m <- U - W sym(b1 B + (1-b1) A)  with U = b1 m + (1-b1) G,
       Gram(W + xi),  W' = (W + xi) Gram^(-1/2),
   with ||g||_F^2 = ||G||_F^2 - ||sym(A)||_F^2 (P_W is an orthogonal projection) instead of
-  forming g; the inverse square root is a Newton-Schulz iteration whose iteration count follows
-  from a bound on the spectrum, not an eigendecomposition; one workspace per parameter replaces
-  d-sized temporaries. The weight-decay term is dropped analytically there, because
+  forming g (exact algebra; in float32 it loses relative accuracy only when a gradient is almost
+  entirely normal, and then only in the scale v); the inverse square root is a truncated
+  binomial series or a Newton-Schulz iteration whose length follows from a bound on the step,
+  with eigh only as a fallback; one workspace per parameter replaces d-sized temporaries. The weight-decay term is dropped analytically there, because
   P_W(W) = W (I - W^T W) = 0 on St(d, r); the reference path adds it literally, and the tests
   check that both give the same trajectory, with and without decay.
 
