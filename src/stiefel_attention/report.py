@@ -589,6 +589,9 @@ def write_results_readme(results_dir: str | Path) -> Path:
                for e in exps if not (results_dir / f / e / "summary.json").exists()]
     if missing:
         lines += ["", "Not yet run (no records): " + ", ".join(missing) + "."]
+    lines += ["", "Any experiment with fewer runs than planned completes with its own command, e.g. "
+              "`stiefel-attention cifar --experiment scaling --profile cpu` or `stiefel-attention grok --experiment study "
+              "--profile cpu` (finished runs are skipped), then `stiefel-attention report results`."]
     out = results_dir / "README.md"
     out.write_text("\n".join(lines) + "\n")
     return out
