@@ -102,7 +102,6 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
     from .data import DataError, load_cifar10
     from .experiments import cifar
     from .report import write_cifar_report
-    from .runner import run_cells
 
     seeds = args.seeds if args.seeds is not None else (2 if args.profile == "smoke" else cifar.DEFAULT_SEEDS[args.experiment])
     cells = cifar.cells(args.experiment, args.profile, seeds, n=args.n)
@@ -110,18 +109,29 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
         ds = load_cifar10(args.data)
     except DataError as err:
         raise UsageError(str(err)) from None
-    options = {"data": ds.source, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
+    out = Path(args.out)
+
+    def report(finished: list[dict], n_planned: int) -> None:
+        sweep = None
+        if args.experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
+            sweep = [records_of(out / "runs", c) for c in cifar.cells("lr-sweep", args.profile, cifar.DEFAULT_SEEDS["lr-sweep"])]
+            sweep = [r for r in sweep if r is not None]
+        write_cifar_report(out, args.experiment, finished, args.profile, n_planned=n_planned, sweep_records=sweep)
+
+    print(f"cifar {args.experiment}: {len(cells)} runs ({seeds} seeds, profile {args.profile}), data {ds.source}, records in {out / 'runs'}")
+    return _run_and_report("cifar", args, cells, {"data": ds.source}, report)
+
+
+def _run_and_report(family: str, args: argparse.Namespace, cells: list, options: dict, report) -> int:
+    """Run the missing cells, write the experiment's report, print it; non-zero if a run failed."""
+    from .runner import run_cells
+
+    options = {**options, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     out = Path(args.out)
-    print(f"cifar {args.experiment}: {len(cells)} runs ({seeds} seeds, profile {args.profile}), data {ds.source}, records in {out / 'runs'}")
     records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
-                                  desc=f"cifar {args.experiment}")
-    finished = [records[c.key] for c in cells if c.key in records]
-    sweep = None
-    if args.experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
-        sweep = [records_of(out / "runs", c) for c in cifar.cells("lr-sweep", args.profile, cifar.DEFAULT_SEEDS["lr-sweep"])]
-        sweep = [r for r in sweep if r is not None]
-    write_cifar_report(out, args.experiment, finished, args.profile, n_planned=len(cells), sweep_records=sweep)
+                                  desc=f"{family} {args.experiment}")
+    report([records[c.key] for c in cells if c.key in records], len(cells))
     print((out / args.experiment / "summary.md").read_text())
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
@@ -131,21 +141,11 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
 def _cmd_grok(args: argparse.Namespace) -> int:
     from .experiments import grok
     from .report import write_grok_report
-    from .runner import run_cells
 
     cells = grok.cells(args.experiment, args.profile, args.seeds)
-    options = {"device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
-    cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
-    out = Path(args.out)
-    print(f"grok {args.experiment}: {len(cells)} runs (profile {args.profile}), records in {out / 'runs'}")
-    records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
-                                  desc=f"grok {args.experiment}")
-    finished = [records[c.key] for c in cells if c.key in records]
-    write_grok_report(out, args.experiment, finished, args.profile, n_planned=len(cells))
-    print((out / args.experiment / "summary.md").read_text())
-    for cell, err in failures:
-        print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
-    return 1 if failures else 0
+    print(f"grok {args.experiment}: {len(cells)} runs (profile {args.profile}), records in {Path(args.out) / 'runs'}")
+    return _run_and_report("grok", args, cells, {}, lambda finished, n: write_grok_report(
+        args.out, args.experiment, finished, args.profile, n_planned=n))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -248,13 +248,22 @@ def summary_markdown(summary: dict, profile: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, out_dir: Path, name: str, made: list[str], dpi: int = 120) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=dpi)
+    plt.close(fig)
+    made.append(name)
+
+
 def _plots(summary: dict, out_dir: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
+    made: list[str] = []
     exp = summary["experiment"]
     comps = summary.get("comparisons", [])
     if exp in ("main", "ablation", "eps") and comps:
@@ -270,10 +279,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         ax.set_yticks(range(len(comps)), [f"{c['arm']} − {c['baseline']}" for c in comps])
         ax.set_xlabel("paired test-accuracy difference (pp)\ndots: seeds; bar: mean and 95% CI; red star: paper")
         ax.invert_yaxis()
-        fig.tight_layout()
-        fig.savefig(out_dir / "paired_differences.png", dpi=120)
-        plt.close(fig)
-        made.append("paired_differences.png")
+        _save(fig, out_dir, "paired_differences.png", made)
     if exp == "eps" and summary.get("arms"):
         pts = sorted((float(k.split("=")[1]), v) for k, v in summary["arms"].items())
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -281,10 +287,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         ax.set_xscale("log")
         ax.set_xlabel("StiefelAdam eps")
         ax.set_ylabel("test accuracy (%), mean ± std over seeds")
-        fig.tight_layout()
-        fig.savefig(out_dir / "accuracy_vs_eps.png", dpi=120)
-        plt.close(fig)
-        made.append("accuracy_vs_eps.png")
+        _save(fig, out_dir, "accuracy_vs_eps.png", made)
     if exp == "scaling" and summary.get("arms"):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for arm in ("adamw", "stiefel-adam"):
@@ -295,10 +298,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         ax.set_xlabel("training images n")
         ax.set_ylabel("test accuracy (%), mean ± std")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "accuracy_vs_n.png", dpi=120)
-        plt.close(fig)
-        made.append("accuracy_vs_n.png")
+        _save(fig, out_dir, "accuracy_vs_n.png", made)
     if exp == "movement" and summary.get("ratios"):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for arm, r in summary["ratios"].items():
@@ -314,10 +314,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         ax.set_xlabel("evaluation point (every eval_every epochs)")
         ax.set_ylabel("per-step Q/K movement ratio")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "movement_ratio.png", dpi=120)
-        plt.close(fig)
-        made.append("movement_ratio.png")
+        _save(fig, out_dir, "movement_ratio.png", made)
     return made
 
 
@@ -471,10 +468,8 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
     handles, labels = axes[0][0].get_legend_handles_labels()
     if len(handles) <= 12:
         axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "curves.png", dpi=110)
-    plt.close(fig)
-    made = ["curves.png"]
+    made: list[str] = []
+    _save(fig, out_dir, "curves.png", made, dpi=110)
     if summary["experiment"] == "slingshot":
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for rec in records:
@@ -484,10 +479,7 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
         ax.set_xlabel("epoch")
         ax.set_ylabel("train loss (spikes = slingshot collapses)")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "train_loss.png", dpi=110)
-        plt.close(fig)
-        made.append("train_loss.png")
+        _save(fig, out_dir, "train_loss.png", made, dpi=110)
     return made
 
 
