@@ -551,7 +551,7 @@ def write_results_readme(results_dir: str | Path) -> Path:
                          "replicates" if s["lead_grows_with_n"] else "does not replicate"))
         for arm, r in s.get("ratios", {}).items():
             if arm == "stiefel-sgd":
-                rows.append((link, prof, s["text"], f"median {r['median']:.1f}x (range {r['min']:.1f}-{r['max']:.1f}x)", r["verdict"]))
+                rows.append((link, prof, s["text"], f"median {r['median']:.3g}x (range {r['min']:.3g}-{r['max']:.3g}x) at SGD frame lr {r.get('lr')}", r["verdict"]))
         if family == "grok" and exp == "single" and s["runs"]:
             got = ", ".join(f"{r['arm']} {r['final_val_acc']:.1f}% at epoch {r['epochs']}" for r in s["runs"])
             rows.append((link, prof, s["paper"]["text"], got, "single run: an endpoint, not an effect size"))
