@@ -441,6 +441,14 @@ def stiefel_sgd(
 # ---------------------------------------------------------------------------------------------
 
 
+def _non_finite_error(names: list[str]) -> NonFiniteGradientError:
+    return NonFiniteGradientError(
+        f"non-finite gradient (NaN or inf) in {', '.join(names)}; the step was refused and no parameter "
+        "or optimizer state was changed. Lower the learning rate, use a GradScaler, or catch "
+        "NonFiniteGradientError to skip the batch."
+    )
+
+
 def refuse_non_finite_grads(param_groups: list[dict]) -> None:
     """Raise NonFiniteGradientError, naming the parameters, if any gradient has a NaN or inf.
 
@@ -460,11 +468,7 @@ def refuse_non_finite_grads(param_groups: list[dict]) -> None:
         if not bool(finite.all()):
             bad += [f"param_groups[{gi}]['params'][{with_grad[k][0]}]" for k in torch.nonzero(~finite).flatten().tolist()]
     if bad:
-        raise NonFiniteGradientError(
-            f"non-finite gradient (NaN or inf) in {', '.join(bad)}; the step was refused and no parameter "
-            "or optimizer state was changed. Lower the learning rate, use a GradScaler, or catch "
-            "NonFiniteGradientError to skip the batch."
-        )
+        raise _non_finite_error(bad)
 
 
 class _StiefelOptimizer(Optimizer):
@@ -535,12 +539,7 @@ class _StiefelOptimizer(Optimizer):
         if finite:
             ok = torch.stack(finite)
             if not bool(ok.all()):
-                bad = [names[i] for i in torch.nonzero(~ok).flatten().tolist()]
-                raise NonFiniteGradientError(
-                    f"non-finite gradient (NaN or inf) in {', '.join(bad)}; the step was refused and no frame or "
-                    "optimizer state was changed. Lower the learning rate, use a GradScaler, or catch "
-                    "NonFiniteGradientError to skip the batch."
-                )
+                raise _non_finite_error([names[i] for i in torch.nonzero(~ok).flatten().tolist()])
         return pre
 
 
