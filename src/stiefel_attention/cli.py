@@ -104,7 +104,7 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
     from .report import write_cifar_report
 
     seeds = args.seeds if args.seeds is not None else (2 if args.profile == "smoke" else cifar.DEFAULT_SEEDS[args.experiment])
-    cells = cifar.cells(args.experiment, args.profile, seeds, n=args.n)
+    cells = cifar.cells(args.experiment, args.profile, seeds, n=args.n, per_n_seeds=args.seeds is None)
     try:  # fail fast, in this process, with the data module's message; also builds the cache once
         ds = load_cifar10(args.data)
     except DataError as err:

@@ -512,7 +512,8 @@ def rebuild_all(results_dir: str | Path) -> list[Path]:
                 finished = [by_key[k] for k in sorted(keys) if k in by_key]
                 if not finished:
                     continue
-                planned = len({c.key for c in module.cells(exp, profile, module.DEFAULT_SEEDS[exp])})
+                default = cifar.cells(exp, profile, cifar.DEFAULT_SEEDS[exp], per_n_seeds=True) if family == "cifar" else module.cells(exp, profile, module.DEFAULT_SEEDS[exp])
+                planned = len({c.key for c in default})
                 if family == "cifar" and exp == "movement":
                     sweep = [by_key[c.key] for c in cifar.cells("lr-sweep", profile, seeds) if c.key in by_key]
                     writer(results_dir / family, exp, finished, profile, planned, sweep_records=sweep)
