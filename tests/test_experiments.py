@@ -19,7 +19,7 @@ from scipy import stats as sps
 from stiefel_attention import cli
 from stiefel_attention.data import ENV_CACHE, ENV_CIFAR10
 from stiefel_attention.experiments import cifar
-from stiefel_attention.report import cifar_summary, verdict, write_cifar_report
+from stiefel_attention.report import cifar_summary, rebuild_all, verdict, write_cifar_report
 from stiefel_attention.runner import Cell, InlineExecutor, LocalExecutor, run_cells, write_json_atomic
 from stiefel_attention.stats import paired_comparison
 
@@ -282,6 +282,34 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--seeds must be >= 1" in capsys.readouterr().err
 
 
+def test_cli_executor_ray_without_ray_says_how_to_install(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    rc = cli.main(["grok", "--experiment", "single", "--profile", "smoke", "--executor", "ray", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "pip install 'stiefel-attention[ray]'" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
+
+
+def test_reproduce_certifies_runs_every_step_and_writes_the_report(fake_cifar, tmp_path, monkeypatch, capsys):
+    # the real step list takes ~2 min at the smoke size; two steps (one per family) check the wiring
+    monkeypatch.setattr(cli, "REPRODUCE_STEPS", (("cifar", "main"), ("grok", "single")))
+    for key, value in (("n_main", 100), ("n_test", None), ("n_val", 50), ("epochs", 1)):
+        monkeypatch.setitem(cifar.PROFILES["smoke"], key, value)
+    out = tmp_path / "repro"
+    assert cli.main(["reproduce", "--profile", "smoke", "--data", fake_cifar, "--out", str(out), "--jobs", "1", "--no-progress"]) == 0
+    assert all(c["passed"] for c in json.loads((out / "certify.json").read_text())["checks"])
+    assert len(list((out / "cifar" / "runs").glob("*.json"))) == 10 and len(list((out / "grok" / "runs").glob("*.json"))) == 2
+    report = (out / "REPORT.md").read_text()
+    assert "[cifar/main](cifar/main/summary.md) (10/10 runs) | smoke" in report
+    assert "[grok/single](grok/single/summary.md) (2/2 runs) | smoke" in report
+    assert "claim by claim:" in capsys.readouterr().out
+    # a results folder of another profile is refused before anything runs
+    assert cli.main(["reproduce", "--profile", "cpu", "--data", fake_cifar, "--out", str(out), "--no-progress"]) == 2
+    assert "holds records of profile smoke" in capsys.readouterr().err
+
+
 def test_cli_smoke_on_generated_data(fake_cifar, tmp_path, capsys):
     args = ["cifar", "--experiment", "movement", "--profile", "smoke", "--seeds", "2", "--n", str(N_TRAIN),
             "--data", fake_cifar, "--out", str(tmp_path), "--jobs", "1", "--no-progress"]
@@ -316,7 +344,48 @@ def test_report_rebuilds_summaries_from_records_alone(fake_cifar, tmp_path, caps
     assert cli.main(["report", str(tmp_path)]) == 0
     again = json.loads((tmp_path / "cifar" / "movement" / "summary.json").read_text())
     assert again["ratios"] == first["ratios"]
-    readme = (tmp_path / "README.md").read_text()
-    assert "24-40x" in readme and "cifar/movement" in readme
-    assert "Not yet run" in readme and "grok/study" in readme
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "24-40x" in report and "cifar/movement" in report
+    assert "(cifar/movement/movement_ratio.png)" in report  # the plot is linked beside the claim
+    assert "Not yet run" in report and "grok/study" in report
+    assert "[`REPORT.md`](REPORT.md)" in (tmp_path / "README.md").read_text()
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
+
+
+def _cell_record(cell, acc: float) -> dict:
+    return {"name": cell.name, "key": cell.key, "family": cell.family, "config": cell.config,
+            "metrics": {"final_eval_acc": acc}, "curves": {"movement_median": [1.0]}}
+
+
+def test_report_never_pools_scaling_runs_into_main(tmp_path):
+    # The n=1k scaling runs share arm and seed with main's n=10k runs; a rebuilt main summary must
+    # hold the n=10k runs only (a pooled one once reported +3.3 pp where the truth was -0.1 pp).
+    runs = tmp_path / "cifar" / "runs"
+    lead = {1000: 0.05, 5000: 0.03, 10000: 0.01, 50000: 0.02}
+    for exp in ("main", "scaling"):
+        for cell in cifar.cells(exp, "cpu", 3):
+            n, arm = cell.config["n_train"], cell.config["arm"]
+            seed = cell.config["seed"]  # per-seed noise in the difference that averages to zero over 3 seeds
+            acc = 0.5 + 0.001 * seed + (lead.get(n, 0.0) + 0.0005 * (seed - 1) if arm == "stiefel-adam" else 0.0)
+            write_json_atomic(cell.path(runs), _cell_record(cell, acc))
+    rebuild_all(tmp_path)
+    main = json.loads((tmp_path / "cifar" / "main" / "summary.json").read_text())
+    assert main["n_records"] == 5 * 3
+    [vs_adamw] = [c for c in main["comparisons"] if (c["arm"], c["baseline"]) == ("stiefel-adam", "adamw")]
+    assert vs_adamw["mean_diff"] == pytest.approx(1.0) and vs_adamw["n_seeds"] == 3
+    scaling = json.loads((tmp_path / "cifar" / "scaling" / "summary.json").read_text())
+    assert {c["n_train"]: round(c["mean_diff"], 6) for c in scaling["comparisons"]} == {1000: 5.0, 5000: 3.0, 10000: 1.0, 50000: 2.0}
+
+
+def test_report_refuses_mixed_profiles_and_cli_keeps_smoke_out_of_results(tmp_path, fake_cifar, monkeypatch):
+    runs = tmp_path / "cifar" / "runs"
+    for profile in ("cpu", "smoke"):
+        cell = cifar.cells("main", profile, 1)[0]
+        write_json_atomic(cell.path(runs), _cell_record(cell, 0.5))
+    with pytest.raises(ValueError, match="mixes records of profiles cpu, smoke"):
+        rebuild_all(tmp_path)
+    # the experiment commands refuse to add records of one profile to a folder of another
+    assert cli.main(["cifar", "--experiment", "main", "--profile", "paper", "--data", fake_cifar,
+                     "--out", str(tmp_path / "cifar"), "--no-progress"]) == 2
+    assert cli.default_results_dir("cpu").as_posix() == "results"
+    assert cli.default_results_dir("smoke").as_posix() == "results-smoke"

@@ -4,7 +4,10 @@
     stiefel-attention demo [--steps N]                   a tiny training run, adamw vs stiefel-adam
     stiefel-attention cifar --experiment NAME --profile smoke|cpu|paper [--seeds N] [--out DIR] [--data PATH]
     stiefel-attention grok --experiment single|study|slingshot --profile smoke|cpu|paper [--out DIR]
-    stiefel-attention report [DIR]                       rebuild summaries, plots, results/README.md
+    stiefel-attention reproduce --profile smoke|cpu|paper [--out DIR]   certify, every experiment, report
+    stiefel-attention report [DIR]                       rebuild summaries, plots, REPORT.md
+
+Experiment commands take --executor local|ray (a process pool, or one Ray task per run).
 
 Bad arguments and data problems end in one clear line on stderr and a non-zero exit, never a
 traceback (set STIEFEL_ATTENTION_DEBUG=1 to see the traceback).
@@ -82,12 +85,35 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _executor(jobs: int | None):
-    from .runner import InlineExecutor, LocalExecutor
+def _executor(args: argparse.Namespace):
+    from .runner import InlineExecutor, LocalExecutor, RayExecutor, RayNotInstalled
 
-    if jobs is not None and jobs < 1:
-        raise UsageError(f"--jobs must be >= 1, got {jobs}")
-    return InlineExecutor() if jobs == 1 else LocalExecutor(jobs)
+    if args.executor == "ray":
+        try:
+            RayExecutor.import_ray()
+            return RayExecutor(address=args.ray_address, cpus_per_task=args.ray_cpus_per_task,
+                               gpus_per_task=args.ray_gpus_per_task, retries=args.retries)
+        except RayNotInstalled as err:
+            raise UsageError(str(err)) from None
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    return InlineExecutor() if args.jobs == 1 else LocalExecutor(args.jobs)
+
+
+def default_results_dir(profile: str) -> Path:
+    """`results` holds the committed cpu-profile records; other profiles get their own folder, so a
+    smoke run can never mix its records into (or overwrite the summaries of) the measured ones."""
+    return Path("results") if profile == "cpu" else Path(f"results-{profile}")
+
+
+def _check_one_profile(runs_dir: Path, profile: str) -> None:
+    """Summaries describe one profile; refuse to add records of another to a folder."""
+    from .report import profiles_in
+
+    others = profiles_in(runs_dir) - {profile}
+    if others:
+        raise UsageError(f"{runs_dir} holds records of profile {', '.join(sorted(others))}, not {profile}; "
+                         f"use another --out for the {profile} profile (default {default_results_dir(profile)})")
 
 
 def records_of(runs_dir: Path, cell) -> dict | None:
@@ -103,18 +129,18 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
     from .experiments import cifar
     from .report import write_cifar_report
 
-    seeds = args.seeds if args.seeds is not None else (2 if args.profile == "smoke" else cifar.DEFAULT_SEEDS[args.experiment])
+    seeds = args.seeds if args.seeds is not None else cifar.default_seeds(args.experiment, args.profile)
     cells = cifar.cells(args.experiment, args.profile, seeds, n=args.n, per_n_seeds=args.seeds is None)
     try:  # fail fast, in this process, with the data module's message; also builds the cache once
         ds = load_cifar10(args.data)
     except DataError as err:
         raise UsageError(str(err)) from None
-    out = Path(args.out)
+    out = Path(args.out or default_results_dir(args.profile) / "cifar")
 
     def report(finished: list[dict], n_planned: int) -> None:
         sweep = None
         if args.experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
-            sweep = [records_of(out / "runs", c) for c in cifar.cells("lr-sweep", args.profile, cifar.DEFAULT_SEEDS["lr-sweep"])]
+            sweep = [records_of(out / "runs", c) for c in cifar.cells("lr-sweep", args.profile, cifar.default_seeds("lr-sweep", args.profile))]
             sweep = [r for r in sweep if r is not None]
         write_cifar_report(out, args.experiment, finished, args.profile, n_planned=n_planned, sweep_records=sweep)
 
@@ -128,8 +154,9 @@ def _run_and_report(family: str, args: argparse.Namespace, cells: list, options:
 
     options = {**options, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
-    out = Path(args.out)
-    records, failures = run_cells(cells, out / "runs", _executor(args.jobs), progress=not args.no_progress,
+    out = Path(args.out or default_results_dir(args.profile) / family)
+    _check_one_profile(out / "runs", args.profile)
+    records, failures = run_cells(cells, out / "runs", _executor(args), progress=not args.no_progress,
                                   desc=f"{family} {args.experiment}")
     report([records[c.key] for c in cells if c.key in records], len(cells))
     print((out / args.experiment / "summary.md").read_text())
@@ -143,9 +170,58 @@ def _cmd_grok(args: argparse.Namespace) -> int:
     from .report import write_grok_report
 
     cells = grok.cells(args.experiment, args.profile, args.seeds)
-    print(f"grok {args.experiment}: {len(cells)} runs (profile {args.profile}), records in {Path(args.out) / 'runs'}")
+    out = Path(args.out or default_results_dir(args.profile) / "grok")
+    print(f"grok {args.experiment}: {len(cells)} runs (profile {args.profile}), records in {out / 'runs'}")
     return _run_and_report("grok", args, cells, {}, lambda finished, n: write_grok_report(
-        args.out, args.experiment, finished, args.profile, n_planned=n))
+        out, args.experiment, finished, args.profile, n_planned=n))
+
+
+# The order `reproduce` runs things in: the lr sweep first (it is how the profile's rates were
+# chosen, and `movement` reads it), the cheap CIFAR experiments before the long grokking ones.
+REPRODUCE_STEPS = (("cifar", "lr-sweep"), ("cifar", "main"), ("cifar", "ablation"), ("cifar", "eps"),
+                   ("cifar", "movement"), ("cifar", "scaling"), ("grok", "single"), ("grok", "slingshot"),
+                   ("grok", "study"))
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    """certify, then every experiment through the same code path as its own command, then report."""
+    out = Path(args.out or default_results_dir(args.profile))
+    for family in ("cifar", "grok"):  # before any run starts, not an hour in
+        _check_one_profile(out / family / "runs", args.profile)
+    _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
+    from .data import DataError, load_cifar10
+
+    try:  # the CIFAR experiments need the data: say so now, not after certification
+        load_cifar10(args.data)
+    except DataError as err:
+        raise UsageError(str(err)) from None
+    print(f"== certify (float64) -> {out / 'certify.json'}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if _cmd_certify(argparse.Namespace(json=str(out / "certify.json"), seed=0)) != 0:
+        print("certification failed: the optimizer does not satisfy the propositions; no experiment was run", file=sys.stderr)
+        return EXIT_FAILED_CHECK
+    common = ["--profile", args.profile, "--executor", args.executor, "--retries", str(args.retries),
+              "--ray-cpus-per-task", str(args.ray_cpus_per_task), "--ray-gpus-per-task", str(args.ray_gpus_per_task)]
+    common += ["--jobs", str(args.jobs)] if args.jobs is not None else []
+    common += ["--device", args.device] if args.device else []
+    common += ["--ray-address", args.ray_address] if args.ray_address else []
+    common += ["--no-progress"] if args.no_progress else []
+    failed = []
+    parser = build_parser()
+    for family, experiment in REPRODUCE_STEPS:
+        print(f"\n== {family} {experiment} (profile {args.profile})", flush=True)
+        argv = [family, "--experiment", experiment, "--out", str(out / family), *common]
+        argv += ["--data", args.data] if family == "cifar" and args.data else []
+        sub = parser.parse_args(argv)
+        if sub.func(sub) != 0:
+            failed.append(f"{family} {experiment}")
+    print(f"\n== report {out}", flush=True)
+    _cmd_report(argparse.Namespace(dir=str(out)))
+    print(f"\nclaim by claim: {out / 'REPORT.md'}")
+    if failed:
+        print(f"some runs failed in: {', '.join(failed)} (rerun the same command to retry only those)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -156,6 +232,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
     for path in rebuild_all(args.dir):
         print(f"wrote {path}")
     return 0
+
+
+def _add_data_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", default=None, help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Where and how runs execute; shared by every command that trains."""
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--executor", default="local", choices=("local", "ray"),
+                   help="local: a process pool on this machine (default); ray: one Ray task per run")
+    p.add_argument("--jobs", type=int, default=None, help="local executor: parallel runs (default: one per core; 1 runs in this process)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a new local cluster)")
+    p.add_argument("--ray-cpus-per-task", type=float, default=1, help="CPUs per run, also its torch threads (default 1)")
+    p.add_argument("--ray-gpus-per-task", type=float, default=0, help="GPUs per run (default 0; 1 for one GPU per run)")
+    p.add_argument("--retries", type=int, default=2, help="ray: resubmit a failed or killed run up to N times (default 2)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,11 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="cpu", choices=list(PROFILES), help="model/training size (default cpu)")
     p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default: 12, 5 for scaling, 2 for lr-sweep and smoke)")
     p.add_argument("--n", type=int, default=None, help="training images for main/ablation/eps (default: the profile's)")
-    p.add_argument("--out", default="results/cifar", help="results folder; runs/ inside is shared by experiments")
-    p.add_argument("--data", default=None, help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: one per core; 1 runs in this process)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help="results folder; runs/ inside is shared by experiments "
+                   "(default: results/cifar for the cpu profile, results-PROFILE/cifar otherwise)")
+    _add_data_arg(p)
+    _add_run_args(p)
     p.set_defaults(func=_cmd_cifar)
 
     from .experiments import grok
@@ -191,13 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", required=True, choices=grok.EXPERIMENTS)
     p.add_argument("--profile", default="cpu", choices=list(grok.PROFILES), help="model/training size (default cpu)")
     p.add_argument("--seeds", type=int, default=5, help="seeds per arm for the study (default 5)")
-    p.add_argument("--out", default="results/grok", help="results folder; runs/ inside is shared by experiments")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: one per core; 1 runs in this process)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help="results folder; runs/ inside is shared by experiments "
+                   "(default: results/grok for the cpu profile, results-PROFILE/grok otherwise)")
+    _add_run_args(p)
     p.set_defaults(func=_cmd_grok)
 
-    p = sub.add_parser("report", help="rebuild every summary, plot and results README from the run records")
+    p = sub.add_parser("reproduce", help="certify, run every CIFAR and grokking experiment, write the report")
+    p.add_argument("--profile", default="smoke", choices=list(PROFILES), help="model/training size (default smoke: minutes)")
+    p.add_argument("--out", default=None, help="results folder (default: results for the cpu profile, results-PROFILE otherwise)")
+    _add_data_arg(p)
+    _add_run_args(p)
+    p.set_defaults(func=_cmd_reproduce)
+
+    p = sub.add_parser("report", help="rebuild every summary, plot and REPORT.md from the run records")
     p.add_argument("dir", nargs="?", default="results", help="results folder (default: results)")
     p.set_defaults(func=_cmd_report)
     return parser

@@ -30,6 +30,11 @@ def load_records(runs_dir: str | Path, family: str | None = None) -> list[dict]:
     return out
 
 
+def profiles_in(runs_dir: str | Path) -> set[str]:
+    """The profiles of the run records in runs_dir (empty if none)."""
+    return {r["config"].get("profile", "?") for r in load_records(runs_dir)}
+
+
 def verdict(kind: str, paper: float | None, st: dict) -> str:
     """A plain-words verdict: what both tests support, and whether the paper's size is inside the CI."""
     if kind == "control" or paper is None:
@@ -188,6 +193,14 @@ def _lr_sweep_summary(records: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def _fmt_ci(ci: list[float], digits: int = 2) -> str:
+    """[lo, hi] with a sign, or n/a when one seed leaves the interval undefined."""
+    lo, hi = ci
+    if math.isnan(lo) or math.isnan(hi):
+        return "n/a"
+    return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
 def _fmt_p(p: float) -> str:
     return "n/a" if p is None or math.isnan(p) else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
 
@@ -198,8 +211,7 @@ def _md_comparisons(summary: dict) -> list[str]:
     for c in summary["comparisons"]:
         name = f"{c['arm']} vs {c['baseline']}" + (f" (n={c['n_train']})" if "n_train" in c else "")
         paper = c["text"] if c.get("paper") is None else f"{c['paper']:+.2f} pp — {c['text']}"
-        lo, hi = c["ci95"]
-        lines.append(f"| {name} | {paper} | {c['mean_diff']:+.2f} | [{lo:+.2f}, {hi:+.2f}] | "
+        lines.append(f"| {name} | {paper} | {c['mean_diff']:+.2f} | {_fmt_ci(c['ci95'])} | "
                      f"{c['t']:.2f} | {_fmt_p(c['p_t'])} | {_fmt_p(c['p_wilcoxon'])} | {c['wins']}/{c['n_seeds']} | {c['verdict']} |")
     return lines
 
@@ -417,9 +429,8 @@ def grok_markdown(summary: dict, profile: str) -> str:
         for op, st in summary["studies"].items():
             ng = st["never_grokked"]
             for name, s in (("epochs to 95% val acc", st["epoch_to_95"]), ("final val acc (pp)", st["final_val_acc"])):
-                lo, hi = s["ci95"]
                 wins = (s["losses"] if name.startswith("epochs") else s["wins"])  # fewer epochs is a win
-                lines.append(f"| {op} | {name} | {s['mean_diff']:+.1f} | [{lo:+.1f}, {hi:+.1f}] | {s['t']:.2f} | {_fmt_p(s['p_t'])} | "
+                lines.append(f"| {op} | {name} | {s['mean_diff']:+.1f} | {_fmt_ci(s['ci95'], 1)} | {s['t']:.2f} | {_fmt_p(s['p_t'])} | "
                              f"{_fmt_p(s['p_wilcoxon'])} | {wins}/{s['n_seeds']} | {ng['adamw']} / {ng['stiefel-adam']} | "
                              f"{st['verdict'] if name.startswith('epochs') else ''} |")
         lines.append("")
@@ -494,6 +505,28 @@ def write_grok_report(out_dir: str | Path, experiment: str, records: list[dict],
 # ---------------------------------------------------------------------------------------------
 
 
+def _experiment_records(family: str, exp: str, profile: str, seeds: int, by_key: dict[str, dict]) -> list[dict]:
+    """The records of one experiment, by the keys of the cells it plans.
+
+    A CIFAR experiment other than `scaling` compares arms at ONE n (the profile's, or another one
+    chosen with --n): the records of each n are a separate experiment and must never be pooled
+    (the scaling runs at n=1k share arms and seeds with `main`). The profile's n wins; failing
+    that, the n with the most records.
+    """
+    from .experiments import cifar, grok
+
+    if family == "grok":
+        return [by_key[c.key] for c in grok.cells(exp, profile, seeds) if c.key in by_key]
+    if exp == "scaling":
+        return [by_key[c.key] for c in cifar.cells(exp, profile, seeds) if c.key in by_key]
+    sizes = sorted({r["config"]["n_train"] for r in by_key.values() if r["config"]["profile"] == profile})
+    groups = {n: [by_key[c.key] for c in cifar.cells(exp, profile, seeds, n=n) if c.key in by_key] for n in sizes}
+    n_main = cifar.PROFILES[profile]["n_main"]
+    if groups.get(n_main):
+        return groups[n_main]
+    return max(groups.values(), key=len, default=[])
+
+
 def rebuild_all(results_dir: str | Path) -> list[Path]:
     """Recompute every experiment's summary from results_dir/{cifar,grok}/runs/*.json alone."""
     from .experiments import cifar, grok
@@ -502,17 +535,19 @@ def rebuild_all(results_dir: str | Path) -> list[Path]:
     written = []
     for family, module, writer in (("cifar", cifar, write_cifar_report), ("grok", grok, write_grok_report)):
         by_key = {r["key"]: r for r in load_records(results_dir / family / "runs", family)}
-        for profile in sorted({r["config"]["profile"] for r in by_key.values()}):
+        profiles = sorted({r["config"]["profile"] for r in by_key.values()})
+        if len(profiles) > 1:  # their summaries would overwrite each other
+            raise ValueError(f"{results_dir / family / 'runs'} mixes records of profiles {', '.join(profiles)}; "
+                             "keep one profile per results folder (move one set of records out) and report each folder")
+        for profile in profiles:
             mine = [r for r in by_key.values() if r["config"]["profile"] == profile]
             seeds = 1 + max(r["config"]["seed"] for r in mine)
-            # the cifar experiments may have been run at a non-default n (--n): try every n seen
-            sizes = sorted({r["config"]["n_train"] for r in mine}) if family == "cifar" else [None]
             for exp in module.EXPERIMENTS:
-                keys = {c.key for n in sizes for c in (cifar.cells(exp, profile, seeds, n=n) if family == "cifar" else module.cells(exp, profile, seeds))}
-                finished = [by_key[k] for k in sorted(keys) if k in by_key]
+                finished = _experiment_records(family, exp, profile, seeds, by_key)
                 if not finished:
                     continue
-                default = cifar.cells(exp, profile, cifar.DEFAULT_SEEDS[exp], per_n_seeds=True) if family == "cifar" else module.cells(exp, profile, module.DEFAULT_SEEDS[exp])
+                default = (cifar.cells(exp, profile, cifar.default_seeds(exp, profile), per_n_seeds=True) if family == "cifar"
+                           else module.cells(exp, profile, module.DEFAULT_SEEDS[exp]))
                 planned = len({c.key for c in default})
                 if family == "cifar" and exp == "movement":
                     sweep = [by_key[c.key] for c in cifar.cells("lr-sweep", profile, seeds) if c.key in by_key]
@@ -520,17 +555,17 @@ def rebuild_all(results_dir: str | Path) -> list[Path]:
                 else:
                     writer(results_dir / family, exp, finished, profile, planned)
                 written.append(results_dir / family / exp / "summary.json")
-    written.append(write_results_readme(results_dir))
+    written += write_claims_report(results_dir)
     return written
 
 
 def _ci(c: dict) -> str:
-    lo, hi = c["ci95"]
-    return f"{c['mean_diff']:+.2f} pp [{lo:+.2f}, {hi:+.2f}], t={c['t']:.2f}, p_t={_fmt_p(c['p_t'])}, p_W={_fmt_p(c['p_wilcoxon'])}, {c['wins']}/{c['n_seeds']} wins"
+    return f"{c['mean_diff']:+.2f} pp {_fmt_ci(c['ci95'])}, t={c['t']:.2f}, p_t={_fmt_p(c['p_t'])}, p_W={_fmt_p(c['p_wilcoxon'])}, {c['wins']}/{c['n_seeds']} wins"
 
 
-def write_results_readme(results_dir: str | Path) -> Path:
-    """results/README.md: each claim of the paper, what we measured, and the verdict, with links."""
+def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, str]]:
+    """(experiment link, profile, claim, measured, verdict, plot links), one row per claim, from the
+    summary.json files under results_dir/<family>/<experiment>/."""
     results_dir = Path(results_dir)
     rows = []
     for path in sorted(results_dir.glob("*/*/summary.json")):
@@ -539,11 +574,13 @@ def write_results_readme(results_dir: str | Path) -> Path:
         done = f" ({s['n_records']}/{s['n_planned']} runs)" if s.get("n_planned") else ""
         link = f"[{family}/{exp}]({family}/{exp}/summary.md){done}"
         prof = s.get("profile", "?")
+        plots = ", ".join(f"[{Path(p).stem}]({family}/{exp}/{Path(p).name})" for p in s.get("plots", [])) or "—"
+        rows_before = len(rows)
         if family == "cifar" and exp == "lr-sweep":
             chosen = ", ".join(f"{a}: {r['which_lr']}={r['lr']:g}" for a, r in s["chosen"].items())
             rows.append((link, prof, "(learning-rate choice, validation split)", chosen, "—"))
         for c in s.get("comparisons", []):
-            if c.get("kind") == "control":
+            if c.get("kind") == "control" and "n_train" not in c:  # scaling: every n is shown
                 continue
             name = f"{c['arm']} vs {c['baseline']}" + (f", n={c['n_train']}" if "n_train" in c else "")
             rows.append((link, prof, f"{name}: {c['text']}", _ci(c), c["verdict"]))
@@ -558,8 +595,7 @@ def write_results_readme(results_dir: str | Path) -> Path:
             rows.append((link, prof, s["paper"]["text"], got, "single run: an endpoint, not an effect size"))
         for op, st in s.get("studies", {}).items():
             e = st["epoch_to_95"]
-            lo, hi = e["ci95"]
-            got = (f"stiefel-adam − adamw epochs to 95% val acc: {e['mean_diff']:+.0f} [{lo:+.0f}, {hi:+.0f}], p_t={_fmt_p(e['p_t'])}, "
+            got = (f"stiefel-adam − adamw epochs to 95% val acc: {e['mean_diff']:+.0f} {_fmt_ci(e['ci95'], 0)}, p_t={_fmt_p(e['p_t'])}, "
                    f"p_W={_fmt_p(e['p_wilcoxon'])}, stiefel faster in {e['losses']}/{e['n_seeds']}; never reached 95%: "
                    f"adamw {st['never_grokked']['adamw']}, stiefel {st['never_grokked']['stiefel-adam']}")
             rows.append((link, prof, f"op {op}: {s['paper_text']}", got, st["verdict"]))
@@ -569,22 +605,42 @@ def write_results_readme(results_dir: str | Path) -> Path:
             if "isometry_ratio" in s:
                 got += f"; isometry ratio {s['isometry_ratio']:.1e}"
             rows.append((link, prof, s["paper"]["text"], got, "pilot: see summary"))
-    lines = ["# Results: the paper's claims, measured", "",
-             "Generated by `stiefel-attention report results` from the run records under `*/runs/`; "
-             "every number below comes from those files. CIFAR-10 is the JPEG mirror (see "
-             "`shared/datasets/README.md`), models are the `cpu` profile unless stated, so absolute "
-             "accuracies are those of a small model; each comparison is paired over seeds (mean "
-             "difference, t-based 95% CI, paired t and Wilcoxon p, wins). A claim is called "
-             "replicated only where both tests support it.", "",
-             "| experiment | profile | claim (paper) | measured | verdict |", "|---|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
-    missing = [f"{f}/{e}" for f, exps in (("cifar", ("main", "scaling", "ablation", "eps", "movement")), ("grok", ("single", "study", "slingshot")))
-               for e in exps if not (results_dir / f / e / "summary.json").exists()]
-    if missing:
-        lines += ["", "Not yet run (no records): " + ", ".join(missing) + "."]
-    lines += ["", "Any experiment with fewer runs than planned completes with its own command, e.g. "
-              "`stiefel-attention cifar --experiment scaling --profile cpu` or `stiefel-attention grok --experiment study "
-              "--profile cpu` (finished runs are skipped), then `stiefel-attention report results`."]
-    out = results_dir / "README.md"
-    out.write_text("\n".join(lines) + "\n")
-    return out
+        rows[rows_before:] = [(*row, plots) for row in rows[rows_before:]]
+    return rows
+
+
+CLAIMED_EXPERIMENTS = (("cifar", ("main", "scaling", "ablation", "eps", "movement")), ("grok", ("single", "study", "slingshot")))
+
+
+def write_claims_report(results_dir: str | Path) -> list[Path]:
+    """<dir>/REPORT.md (each claim: paper, measured with CI, verdict, plots) and a short <dir>/README.md."""
+    results_dir = Path(results_dir)
+    rows = claim_rows(results_dir)
+    profiles = sorted({r[1] for r in rows})
+    cmd = f"stiefel-attention report {results_dir.as_posix()}"
+    missing = [f"{f}/{e}" for f, exps in CLAIMED_EXPERIMENTS for e in exps if not (results_dir / f / e / "summary.json").exists()]
+    unfinished = ("Not yet run (no records): " + ", ".join(missing) + ". ") if missing else ""
+    finish = (unfinished + "An experiment with fewer runs than planned completes with its own command, e.g. "
+              "`stiefel-attention grok --experiment study --profile cpu` (finished runs are skipped), or with "
+              f"`stiefel-attention reproduce --profile {profiles[0] if profiles else 'cpu'}`; then `{cmd}`.")
+    lines = ["# The paper's claims, measured", "",
+             f"Generated by `{cmd}` from the run records under `*/runs/` alone; every number below comes "
+             "from those files. CIFAR-10 is the JPEG mirror of the full dataset; the profile column says "
+             "which model size ran (`cpu`: a small model, so absolute accuracies are a small model's). Each "
+             "comparison is paired over seeds: mean difference, t-based 95% CI, paired t and Wilcoxon p, "
+             "wins. A claim is called replicated only where both tests support it.", "",
+             "| experiment | profile | claim (paper) | measured | verdict | plots |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", finish]
+    report = results_dir / "REPORT.md"
+    report.write_text("\n".join(lines) + "\n")
+    glance = ["# Results", "",
+              f"Run records (`cifar/runs`, `grok/runs`: one JSON per finished run, with its resolved config and "
+              f"code version), per-experiment `summary.json`/`summary.md`/plots, and [`REPORT.md`](REPORT.md): "
+              f"every claim of the paper beside what we measured, with confidence intervals and plots. All of it is "
+              f"rebuilt from the records by `{cmd}`.", "", "Verdicts at a glance (numbers in REPORT.md):", ""]
+    glance += [f"- {claim} — **{verdict_}**" for _, _, claim, _, verdict_, _ in rows]
+    glance += ["", finish]
+    readme = results_dir / "README.md"
+    readme.write_text("\n".join(glance) + "\n")
+    return [report, readme]

@@ -5,8 +5,9 @@ resolved config, so two experiments that need the same run share one record
 `<runs_dir>/<name>-<key>.json`. A cell whose record exists is skipped; a record is written
 atomically (temp file + rename) the moment its run finishes, so Ctrl-C or a crash loses only
 runs in flight. Executors are a small interface: `LocalExecutor` (a process pool, one process
-per core by default) and `InlineExecutor` (this process; tests and debugging); a cluster backend
-needs only `submit(cells) -> iterator of (cell, record or exception)`.
+per core by default), `InlineExecutor` (this process; tests and debugging) and `RayExecutor`
+(one Ray task per run, on a local or remote Ray cluster). An executor needs only
+`submit(cells, runs_dir) -> iterator of (cell, record or exception)`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
-__all__ = ["Cell", "Executor", "InlineExecutor", "LocalExecutor", "code_version", "execute_cell", "run_cells", "write_json_atomic"]
+__all__ = ["Cell", "Executor", "InlineExecutor", "LocalExecutor", "RayExecutor", "RayNotInstalled", "code_version",
+           "execute_cell", "run_cells", "write_json_atomic"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,13 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
 
 
 class Executor(Protocol):
-    def submit(self, cells: list[Cell]) -> Iterator[tuple[Cell, dict | BaseException]]: ...
+    """Runs cells and yields (cell, record or exception) as each finishes, in any order.
+
+    runs_dir is where run_cells will write the records; an executor whose workers can reach it may
+    write them there first (run_cells writes them again, atomically and with the same content).
+    """
+
+    def submit(self, cells: list[Cell], runs_dir: Path | None = None) -> Iterator[tuple[Cell, dict | BaseException]]: ...
 
 
 class InlineExecutor:
@@ -141,7 +149,7 @@ class InlineExecutor:
     def __init__(self, threads: int | None = None):
         self.threads = threads
 
-    def submit(self, cells):
+    def submit(self, cells, runs_dir=None):
         for cell in cells:
             try:
                 yield cell, execute_cell(cell, self.threads)
@@ -178,7 +186,7 @@ class LocalExecutor:
         self.jobs = max(1, jobs or cores)
         self.threads = max(1, cores // self.jobs)
 
-    def submit(self, cells):
+    def submit(self, cells, runs_dir=None):
         if not cells:
             return
         ctx = mp.get_context("spawn")  # no forked torch thread pools
@@ -194,6 +202,95 @@ class LocalExecutor:
                 for fut in futures:
                     fut.cancel()
                 raise
+
+
+class RayNotInstalled(RuntimeError):
+    """--executor ray without Ray installed."""
+
+
+def _run_cell_task(cell: Cell, threads: int, runs_dir: str | None) -> dict:
+    """Body of one Ray task: run the cell and write its record where the driver will look for it.
+
+    A record already on disk means an earlier attempt finished and then lost its worker before the
+    driver heard back: return that record instead of training again (finished work is never redone).
+    """
+    path = cell.path(runs_dir) if runs_dir else None
+    if path is not None and path.exists():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            pass
+    record = execute_cell(cell, threads)
+    if path is not None:
+        try:
+            write_json_atomic(path, record)
+        except OSError:  # a worker without the driver's filesystem; the driver writes the record
+            pass
+    return record
+
+
+class RayExecutor:
+    """One Ray task per run, on the cluster at `address` (or $RAY_ADDRESS; else a new local one).
+
+    Each task asks for `cpus_per_task` CPUs (also its torch thread count) and `gpus_per_task` GPUs.
+    Workers write each record into runs_dir as soon as the run finishes (when they share the
+    driver's filesystem), so a driver that dies loses nothing finished. A task that fails or whose
+    worker is killed is resubmitted up to `retries` times, and every retry is reported on stderr and
+    kept in `self.retried`; after that its last error is yielded like any failure. Records are keyed
+    by config, so a retry can never produce a second record.
+    """
+
+    def __init__(self, address: str | None = None, cpus_per_task: float = 1, gpus_per_task: float = 0,
+                 retries: int = 2, init_kwargs: dict | None = None):
+        if cpus_per_task <= 0 or gpus_per_task < 0 or retries < 0:
+            raise ValueError("cpus_per_task must be > 0, gpus_per_task and retries >= 0")
+        self.address = address or os.environ.get("RAY_ADDRESS") or None
+        self.cpus_per_task, self.gpus_per_task, self.retries = cpus_per_task, gpus_per_task, retries
+        self.init_kwargs = init_kwargs or {}
+        self.retried: list[tuple[str, int, str]] = []  # (cell name, attempt that failed, error)
+
+    @staticmethod
+    def import_ray():
+        try:
+            import ray
+        except ImportError:
+            raise RayNotInstalled("--executor ray needs Ray: pip install 'stiefel-attention[ray]' "
+                                  "(or pip install ray), then run the command again") from None
+        return ray
+
+    def submit(self, cells, runs_dir=None):
+        if not cells:
+            return
+        ray = self.import_ray()
+        if not ray.is_initialized():
+            ray.init(address=self.address, include_dashboard=False, logging_level="warning", **self.init_kwargs)
+        task = ray.remote(num_cpus=self.cpus_per_task, num_gpus=self.gpus_per_task, max_retries=0)(_run_cell_task)
+        threads = max(1, int(self.cpus_per_task))
+        where = str(runs_dir) if runs_dir is not None else None
+        in_flight = {task.remote(cell, threads, where): (cell, 1) for cell in cells}
+        try:
+            while in_flight:
+                [ref], _ = ray.wait(list(in_flight), num_returns=1)
+                cell, attempt = in_flight.pop(ref)
+                try:
+                    yield cell, ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    # RayTaskError: the training code raised; others: the worker or node died.
+                    cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None else err
+                    reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+                    if attempt <= self.retries:
+                        self.retried.append((cell.name, attempt, reason))
+                        print(f"\nrun {cell.name} failed on attempt {attempt} ({reason}); retrying "
+                              f"({attempt}/{self.retries})", file=sys.stderr, flush=True)
+                        in_flight[task.remote(cell, threads, where)] = (cell, attempt + 1)
+                    else:
+                        if not isinstance(cause, BaseException):
+                            cause = RuntimeError(reason)
+                        cause.details = f"failed {attempt} times; last: {reason}"  # type: ignore[attr-defined]
+                        yield cell, cause
+        finally:  # Ctrl-C or the consumer stopping: nothing should train on unobserved
+            for ref in in_flight:
+                ray.cancel(ref, force=True)
 
 
 def run_cells(cells: list[Cell], runs_dir: str | Path, executor: Executor | None = None,
@@ -226,7 +323,7 @@ def run_cells(cells: list[Cell], runs_dir: str | Path, executor: Executor | None
         bar = tqdm(total=len(pending), desc=desc, unit="run", initial=0, dynamic_ncols=True,
                    postfix={"done before": len(unique) - len(pending)})
     try:
-        for cell, outcome in executor.submit(pending):
+        for cell, outcome in executor.submit(pending, runs_dir):
             if isinstance(outcome, BaseException):
                 failures.append((cell, outcome))
                 print(f"\nrun {cell.name} failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)

@@ -69,6 +69,11 @@ EXPERIMENTS = ("main", "scaling", "ablation", "eps", "movement", "lr-sweep")
 DEFAULT_SEEDS = {"main": 12, "scaling": 12, "ablation": 12, "eps": 12, "movement": 12, "lr-sweep": 2}
 
 
+def default_seeds(experiment: str, profile: str) -> int:
+    """Paired seeds when --seeds is not given: 2 for the smoke profile (it only has to run)."""
+    return 2 if profile == "smoke" else DEFAULT_SEEDS[experiment]
+
+
 def epochs_for(n: int, profile: dict) -> int:
     """The profile's epochs, raised for n below the main experiment's n so that every run takes at
     least as many steps as a main run (small n would otherwise be compared after a fraction of the
