@@ -104,9 +104,9 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
             if st is not None:
                 paper = claims.CIFAR_SCALING_PAPER.get(n)
                 kind = "effect" if paper is not None else "control"
+                said = verdict(kind, paper, st) if paper is not None else "measured only: the paper gives no number at this n"
                 summary["comparisons"].append(dict(arm="stiefel-adam", baseline="adamw", n_train=n, kind=kind,
-                                                   paper=paper, text=claims.CIFAR_SCALING_TEXT, **st,
-                                                   verdict=verdict(kind, paper, st)))
+                                                   paper=paper, text=claims.CIFAR_SCALING_TEXT, **st, verdict=said))
         leads = [(c["n_train"], c["mean_diff"]) for c in summary["comparisons"]]
         if len(leads) >= 2:
             summary["lead_grows_with_n"] = all(b[1] > a[1] for a, b in zip(leads, leads[1:]))
