@@ -639,7 +639,7 @@ def write_claims_report(results_dir: str | Path) -> list[Path]:
               f"code version), per-experiment `summary.json`/`summary.md`/plots, and [`REPORT.md`](REPORT.md): "
               f"every claim of the paper beside what we measured, with confidence intervals and plots. All of it is "
               f"rebuilt from the records by `{cmd}`.", "", "Verdicts at a glance (numbers in REPORT.md):", ""]
-    glance += [f"- {claim} — **{verdict_}**" for _, _, claim, _, verdict_, _ in rows]
+    glance += [f"- {claim} — **{verdict_}**" for _, _, claim, _, verdict_, _ in rows if verdict_ != "—"]
     glance += ["", finish]
     readme = results_dir / "README.md"
     readme.write_text("\n".join(glance) + "\n")
