@@ -266,7 +266,8 @@ class RayExecutor:
             ray.init(address=self.address, include_dashboard=False, logging_level="warning", **self.init_kwargs)
         task = ray.remote(num_cpus=self.cpus_per_task, num_gpus=self.gpus_per_task, max_retries=0)(_run_cell_task)
         threads = max(1, int(self.cpus_per_task))
-        where = str(runs_dir) if runs_dir is not None else None
+        # absolute: a Ray worker's working directory is not the driver's
+        where = str(Path(runs_dir).resolve()) if runs_dir is not None else None
         in_flight = {task.remote(cell, threads, where): (cell, 1) for cell in cells}
         try:
             while in_flight:
