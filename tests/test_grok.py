@@ -111,3 +111,15 @@ def test_cli_single_smoke(tmp_path, capsys):
     assert arms["adamw"]["max_qk_isometry"] > 1e-3
     assert (tmp_path / "single" / "curves.png").exists()
     assert "97.0%" in capsys.readouterr().out  # the paper's claim is printed beside the measurement
+
+
+def test_slingshot_verdict_needs_grokking_and_every_later_collapse_survived():
+    from stiefel_attention.report import _slingshot_verdict
+
+    run = dict(epochs=40000, max_val_acc=1.7, epoch_val_acc_95=None, collapses=[{"epoch": 100, "survived": False}])
+    assert _slingshot_verdict(run).startswith("does not replicate, the Stiefel arm never groks (best val acc 1.7%")
+    collapses = [{"epoch": 500, "survived": False}, {"epoch": 3000, "survived": True}, {"epoch": 6000, "survived": False}]
+    run = dict(run, epoch_val_acc_95=2000, collapses=collapses)  # the collapse before grokking does not count
+    assert _slingshot_verdict(run).endswith("loses it in 1 of 2 later collapses")
+    run["collapses"] = collapses[:2]
+    assert _slingshot_verdict(run) == "replicates, the Stiefel arm groks at epoch 2000 and survives all 1 later collapses"

@@ -363,6 +363,7 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
         c, m = rec["config"], rec["metrics"]
         summary["runs"].append({"arm": c["arm"], "seed": c["seed"], "op": c["op"], "epochs": c["epochs"],
                                 "final_val_acc": 100 * m["final_val_acc"], "epoch_val_acc_95": m["epoch_val_acc_95"],
+                                "max_val_acc": 100 * max(rec["curves"]["val_acc"], default=0.0),
                                 "max_qk_isometry": m["max_qk_isometry"], "collapses": m["collapses"],
                                 "epochs_per_s": rec["timings"]["epochs_per_s"]})
     if experiment == "single":
@@ -392,7 +393,32 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
         iso = {r["arm"]: r["max_qk_isometry"] for r in summary["runs"]}
         if "adamw" in iso and "stiefel-adam" in iso and iso["stiefel-adam"] > 0:
             summary["isometry_ratio"] = iso["adamw"] / iso["stiefel-adam"]
+        if records:
+            c = records[0]["config"]
+            summary["conditions"] = (f"(a {c['op']} b) mod {c['model']['p']}, train fraction {c['train_fraction']}, "
+                                     f"{c['epochs']} full-batch epochs, lr {c['lr']:g} (frames {c['frame_lr']:g}), betas {tuple(c['betas'])}, "
+                                     f"weight decay {c['weight_decay']:g} on {'every parameter except W_Q, W_K' if c['regularize'] == 'non-qk' else c['regularize']}")
+        stiefel = [r for r in summary["runs"] if r["arm"] == "stiefel-adam"]
+        if stiefel:
+            summary["verdict"] = "stable grokking " + _slingshot_verdict(stiefel[0])
+            if "isometry_ratio" in summary:
+                ratio = summary["isometry_ratio"]
+                summary["verdict"] += (f"; isometry error >= 10^6 x lower: {'holds' if ratio >= 1e6 else 'does not hold'} "
+                                       f"(ratio {ratio:.1e}; the constraint guarantees it)")
     return summary
+
+
+def _slingshot_verdict(run: dict) -> str:
+    """'Stable grokking': the Stiefel arm reaches 95% validation accuracy and every collapse after
+    that is survived (validation accuracy back at >= 95% before the next one)."""
+    if run["epoch_val_acc_95"] is None:
+        return (f"does not replicate, the Stiefel arm never groks (best val acc {run['max_val_acc']:.1f}% in "
+                f"{run['epochs']} epochs), so there is no grokked state for a collapse to spare")
+    after = [c for c in run["collapses"] if c["epoch"] > run["epoch_val_acc_95"]]
+    lost = sum(not c["survived"] for c in after)
+    if lost:
+        return f"does not replicate, the Stiefel arm groks at epoch {run['epoch_val_acc_95']} but loses it in {lost} of {len(after)} later collapses"
+    return f"replicates, the Stiefel arm groks at epoch {run['epoch_val_acc_95']} and survives all {len(after)} later collapses"
 
 
 def _study_verdict(st_epoch: dict, st_acc: dict) -> str:
@@ -411,11 +437,11 @@ def grok_markdown(summary: dict, profile: str) -> str:
     exp = summary["experiment"]
     lines = [f"# Grokking (modular arithmetic) — `{exp}`, profile `{profile}`", "",
              f"{summary['n_records']} finished runs" + (f" of {summary['n_planned']} planned." if summary.get("n_planned") else "."), "",
-             "| op | arm | seed | epochs | final val acc (%) | epoch val acc >= 95% | max Q/K isometry error | collapses (survived) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| op | arm | seed | epochs | final val acc (%) | best val acc (%) | epoch val acc >= 95% | max Q/K isometry error | collapses (survived) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         cols = r["collapses"]
-        lines.append(f"| {r['op']} | {r['arm']} | {r['seed']} | {r['epochs']} | {r['final_val_acc']:.1f} | "
+        lines.append(f"| {r['op']} | {r['arm']} | {r['seed']} | {r['epochs']} | {r['final_val_acc']:.1f} | {r.get('max_val_acc', math.nan):.1f} | "
                      f"{r['epoch_val_acc_95'] if r['epoch_val_acc_95'] is not None else 'never'} | {r['max_qk_isometry']:.1e} | "
                      f"{len(cols)} ({sum(c['survived'] for c in cols)}) |")
     lines.append("")
@@ -436,6 +462,11 @@ def grok_markdown(summary: dict, profile: str) -> str:
         lines.append("")
     if exp == "slingshot":
         lines += [f"Paper: {summary['paper']['text']}.", ""]
+        if summary.get("conditions"):
+            lines += [f"Conditions: {summary['conditions']}.", ""]
+        if summary.get("verdict"):
+            lines += [f"Verdict (stable grokking: reach 95% validation accuracy and get back to it after every later collapse): "
+                      f"**{summary['verdict']}**.", ""]
         if "isometry_ratio" in summary:
             lines += [f"Measured: max Q/K isometry error, unconstrained / Stiefel = {summary['isometry_ratio']:.1e} "
                       "(frames are orthonormal to float32 round-off by construction, so a ratio of this order is expected "
@@ -604,7 +635,8 @@ def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, s
             got = "; ".join(f"{a}: {n} collapses, {k} survived" for a, (n, k) in n_col.items())
             if "isometry_ratio" in s:
                 got += f"; isometry ratio {s['isometry_ratio']:.1e}"
-            rows.append((link, prof, s["paper"]["text"], got, "pilot: see summary"))
+            best = ", ".join(f"{r['arm']} best val acc {r['max_val_acc']:.1f}%" for r in s["runs"])
+            rows.append((link, prof, s["paper"]["text"], f"{got}; {best}", s.get("verdict", "pilot: see summary")))
         rows[rows_before:] = [(*row, plots) for row in rows[rows_before:]]
     return rows
 
