@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cifar", help="CIFAR-10 patch benchmark experiments (paired seeds)")
     p.add_argument("--experiment", required=True, choices=EXPERIMENTS)
     p.add_argument("--profile", default="cpu", choices=list(PROFILES), help="model/training size (default cpu)")
-    p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default: 12, 5 for scaling, 2 for lr-sweep and smoke)")
+    p.add_argument("--seeds", type=int, default=None, help="paired seeds 0..N-1 (default: 12; scaling 12 up to n=10k and 5 at 50k; lr-sweep 2; smoke 2)")
     p.add_argument("--n", type=int, default=None, help="training images for main/ablation/eps (default: the profile's)")
     p.add_argument("--out", default=None, help="results folder; runs/ inside is shared by experiments "
                    "(default: results/cifar for the cpu profile, results-PROFILE/cifar otherwise)")
