@@ -109,3 +109,17 @@ def test_ray_sweep_retries_a_killed_worker_and_equals_local(local_ray_cluster, t
     # resume: everything is on disk, so a second ray sweep submits nothing
     assert cli.main([*sweep, "--executor", "ray", "--out", str(tmp_path / "ray")]) == 0
     assert _records(tmp_path / "ray") == by_ray
+
+
+def test_ray_reports_a_run_that_keeps_failing_after_its_retries(local_ray_cluster, tmp_path, capsys):
+    from stiefel_attention.runner import Cell, RayExecutor, run_cells
+
+    bad = Cell("no-such-family", "bad-s0", {"seed": 0})  # execute_cell raises ValueError in the worker
+    executor = RayExecutor(retries=1)
+    records, failures = run_cells([bad], tmp_path, executor, progress=False)
+    assert records == {} and len(failures) == 1
+    cell, err = failures[0]
+    assert cell.key == bad.key and isinstance(err, ValueError) and "unknown experiment family" in str(err)
+    assert executor.retried == [("bad-s0", 1, "ValueError: unknown experiment family 'no-such-family'")]
+    assert "retrying (1/1)" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))
