@@ -83,7 +83,8 @@ def cells(experiment: str, profile: str, seeds: int = 5) -> list[Cell]:
     if experiment == "study":
         if seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {seeds}")
-        return [_cell(make_config(profile, a, s, op)) for op in STUDY_OPS for a in ARMS for s in range(seeds)]
+        # seed-major: a study stopped part-way holds complete pairs, not one arm's seeds
+        return [_cell(make_config(profile, a, s, op)) for op in STUDY_OPS for s in range(seeds) for a in ARMS]
     if experiment == "slingshot":
         epochs = PROFILES[profile]["slingshot_epochs"]
         over = dict(weight_decay=SLINGSHOT["weight_decay"], regularize=SLINGSHOT["regularize"], betas=SLINGSHOT["betas"], epochs=epochs)
