@@ -123,3 +123,19 @@ def test_slingshot_verdict_needs_grokking_and_every_later_collapse_survived():
     assert _slingshot_verdict(run).endswith("loses it in 1 of 2 later collapses")
     run["collapses"] = collapses[:2]
     assert _slingshot_verdict(run) == "replicates, the Stiefel arm groks at epoch 2000 and survives all 1 later collapses"
+
+
+def test_study_verdict_names_the_wilcoxon_floor_of_five_pairs():
+    from stiefel_attention.report import _study_verdict
+    from stiefel_attention.stats import paired_comparison
+
+    never, stiefel = [20001] * 5, [5020, 11780, 10260, 3700, 6380]  # baseline censored: never reached 95%
+    st = paired_comparison(stiefel, never)
+    assert st["p_wilcoxon"] == pytest.approx(0.0625) and st["p_t"] < 0.01 and not st["supported"]
+    verdict = _study_verdict(st, st)
+    assert verdict.startswith("does not replicate: the Stiefel arm groks faster in every seed (5/5")
+    assert "smallest 5 pairs allow" in verdict
+    st = paired_comparison(never[:2] + [3000, 9000, 20001], stiefel)  # mixed signs: no clear winner
+    assert _study_verdict(st, st).startswith("partly replicates")
+    baseline_wins = paired_comparison([a + 4000 + 100 * i for i, a in enumerate(stiefel * 2)], stiefel * 2)
+    assert _study_verdict(baseline_wins, baseline_wins).startswith("replicates: the baseline groks significantly faster (both tests, 10/10")
