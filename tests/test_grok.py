@@ -139,3 +139,12 @@ def test_study_verdict_names_the_wilcoxon_floor_of_five_pairs():
     assert _study_verdict(st, st).startswith("partly replicates")
     baseline_wins = paired_comparison([a + 4000 + 100 * i for i, a in enumerate(stiefel * 2)], stiefel * 2)
     assert _study_verdict(baseline_wins, baseline_wins).startswith("replicates: the baseline groks significantly faster (both tests, 10/10")
+
+
+def test_study_verdict_when_neither_arm_groks():
+    from stiefel_attention.report import _study_verdict
+    from stiefel_attention.stats import paired_comparison
+
+    st = paired_comparison([20001.0] * 3, [20001.0] * 3)
+    assert _study_verdict(st, st, {"adamw": 3, "stiefel-adam": 3}) == \
+        "untestable here: neither arm reaches 95% validation accuracy in any of 3 seeds"

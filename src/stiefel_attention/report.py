@@ -402,7 +402,7 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
                 "seeds": seeds,
                 "never_grokked": {arm: sum(table[arm][s]["epoch_val_acc_95"] is None for s in seeds) for arm in table},
                 "epoch_to_95": st_epoch, "final_val_acc": st_acc,
-                "verdict": _study_verdict(st_epoch, st_acc),
+                "verdict": _study_verdict(st_epoch, st_acc, {arm: sum(table[arm][s]["epoch_val_acc_95"] is None for s in seeds) for arm in table}),
             }
     elif experiment == "slingshot":
         summary["paper"] = claims.GROK_SLINGSHOT
@@ -437,7 +437,7 @@ def _slingshot_verdict(run: dict) -> str:
     return f"replicates, the Stiefel arm groks at epoch {run['epoch_val_acc_95']} and survives all {len(after)} later collapses"
 
 
-def _study_verdict(st_epoch: dict, st_acc: dict) -> str:
+def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None) -> str:
     """The paper's claim: the constrained arm does NOT grok better; the baseline wins (p=0.019).
 
     With n pairs the exact two-sided Wilcoxon p cannot go below 2 / 2^n (0.0625 for 5 pairs), so a
@@ -445,6 +445,8 @@ def _study_verdict(st_epoch: dict, st_acc: dict) -> str:
     with that floor named, rather than as "no difference".
     """
     n = st_epoch["n_seeds"]
+    if never and all(v == n for v in never.values()):
+        return f"untestable here: neither arm reaches 95% validation accuracy in any of {n} seeds"
     if n < 2:
         return "too few seeds to test"
     faster = st_epoch["mean_diff"] < 0  # stiefel reaches 95% in fewer epochs
