@@ -13,10 +13,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from timing import round_robin  # benchmarks/timing.py, beside this script
 
 from stiefel_attention.data import modular_task
 from stiefel_attention.experiments import grok
@@ -42,12 +43,7 @@ def steps_per_second(profile: str, epochs: int) -> dict[str, float]:
 
         step()  # warm-up
         steppers[arm] = step
-    times: dict[str, list[float]] = {arm: [] for arm in steppers}
-    for _ in range(epochs):
-        for arm, step in steppers.items():
-            t0 = time.perf_counter()
-            step()
-            times[arm].append(time.perf_counter() - t0)
+    times = round_robin(steppers, epochs, warmup=0)  # each stepper took its warm-up step above
     return {arm: 1.0 / statistics.median(ts) for arm, ts in times.items()}
 
 

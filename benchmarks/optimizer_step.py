@@ -23,27 +23,15 @@ import json
 import os
 import platform
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from timing import round_robin  # benchmarks/timing.py, beside this script
+
 from stiefel_attention import PatchViT, StiefelAdam, build_optimizer, random_frame
 
 LAYERS, HEADS, D_MODEL, HEAD_DIM = 12, 12, 768, 64
-
-
-def _round_robin(fns: dict, repeats: int, warmup: int = 2) -> dict[str, list[float]]:
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def optimizer_step_benchmark(repeats: int) -> dict[str, float]:
@@ -73,7 +61,7 @@ def optimizer_step_benchmark(repeats: int) -> dict[str, float]:
         fns["geoopt RiemannianAdam"] = geoopt.optim.RiemannianAdam(gparams, lr=1e-2).step
     except ImportError:
         print("geoopt not installed: pip install 'stiefel-attention[bench]' to compare against it")
-    times = _round_robin(fns, repeats)
+    times = round_robin(fns, repeats)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -94,7 +82,7 @@ def training_step_benchmark(repeats: int, batch: int) -> dict[str, float]:
             opt.step()
 
         fns[arm] = step
-    times = _round_robin(fns, repeats)
+    times = round_robin(fns, repeats)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -1,0 +1,20 @@
+"""Side-by-side timing shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import time
+
+
+def round_robin(fns: dict, repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per call of each function, calling them in turn `repeats` times, so that drift in the
+    machine's speed (other load, frequency scaling) hits every contender alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
