@@ -31,7 +31,7 @@ N_TRAIN = 100  # per run; the fake set has 30 images per class
 def _isolated_cache(monkeypatch, tmp_path_factory):
     monkeypatch.delenv(ENV_CIFAR10, raising=False)
     monkeypatch.setenv(ENV_CACHE, str(tmp_path_factory.getbasetemp() / "cifar-cache"))
-    cifar._dataset.cache_clear()
+    cifar.cached_dataset.cache_clear()
 
 
 @pytest.fixture(scope="module")

@@ -116,23 +116,16 @@ def _check_one_profile(runs_dir: Path, profile: str) -> None:
                          f"use another --out for the {profile} profile (default {default_results_dir(profile)})")
 
 
-def records_of(runs_dir: Path, cell) -> dict | None:
-    """The finished record of a cell, if any."""
-    import json
-
-    path = cell.path(runs_dir)
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def _cmd_cifar(args: argparse.Namespace) -> int:
-    from .data import DataError, load_cifar10
+    from .data import DataError
     from .experiments import cifar
     from .report import write_cifar_report
+    from .runner import read_record
 
     seeds = args.seeds if args.seeds is not None else cifar.default_seeds(args.experiment, args.profile)
     cells = cifar.cells(args.experiment, args.profile, seeds, n=args.n, per_n_seeds=args.seeds is None)
     try:  # fail fast, in this process, with the data module's message; also builds the cache once
-        ds = load_cifar10(args.data)
+        ds = cifar.cached_dataset(args.data)  # memoised: `reproduce` checks it first, then six experiments ask
     except DataError as err:
         raise UsageError(str(err)) from None
     out = Path(args.out or default_results_dir(args.profile) / "cifar")
@@ -140,7 +133,7 @@ def _cmd_cifar(args: argparse.Namespace) -> int:
     def report(finished: list[dict], n_planned: int) -> None:
         sweep = None
         if args.experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
-            sweep = [records_of(out / "runs", c) for c in cifar.cells("lr-sweep", args.profile, cifar.default_seeds("lr-sweep", args.profile))]
+            sweep = [read_record(c.path(out / "runs")) for c in cifar.cells("lr-sweep", args.profile, cifar.default_seeds("lr-sweep", args.profile))]
             sweep = [r for r in sweep if r is not None]
         write_cifar_report(out, args.experiment, finished, args.profile, n_planned=n_planned, sweep_records=sweep)
 
@@ -189,10 +182,11 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     for family in ("cifar", "grok"):  # before any run starts, not an hour in
         _check_one_profile(out / family / "runs", args.profile)
     _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
-    from .data import DataError, load_cifar10
+    from .data import DataError
+    from .experiments import cifar
 
     try:  # the CIFAR experiments need the data: say so now, not after certification
-        load_cifar10(args.data)
+        cifar.cached_dataset(args.data)
     except DataError as err:
         raise UsageError(str(err)) from None
     print(f"== certify (float64) -> {out / 'certify.json'}", flush=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 __all__ = ["Cell", "Executor", "InlineExecutor", "LocalExecutor", "RayExecutor", "RayNotInstalled", "code_version",
-           "execute_cell", "run_cells", "write_json_atomic"]
+           "execute_cell", "read_record", "run_cells", "write_json_atomic"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,20 @@ def write_json_atomic(path: str | Path, obj) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def read_record(path: str | Path) -> dict | None:
+    """The run record at path, or None when there is none. An unparsable file (a crash mid-write
+    cannot leave one, but a hand-edited or truncated copy can) counts as missing, with a warning,
+    so the run is made again."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        print(f"warning: unreadable record {path}; treating the run as not done", file=sys.stderr)
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -215,11 +229,9 @@ def _run_cell_task(cell: Cell, threads: int, runs_dir: str | None) -> dict:
     driver heard back: return that record instead of training again (finished work is never redone).
     """
     path = cell.path(runs_dir) if runs_dir else None
-    if path is not None and path.exists():
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass
+    done = read_record(path) if path is not None else None
+    if done is not None:
+        return done
     record = execute_cell(cell, threads)
     if path is not None:
         try:
@@ -305,14 +317,11 @@ def run_cells(cells: list[Cell], runs_dir: str | Path, executor: Executor | None
     records: dict[str, dict] = {}
     pending = []
     for cell in unique:
-        path = cell.path(runs_dir)
-        if path.exists():
-            try:
-                records[cell.key] = json.loads(path.read_text())
-                continue
-            except json.JSONDecodeError:
-                print(f"warning: unreadable record {path}; running it again", file=sys.stderr)
-        pending.append(cell)
+        done = read_record(cell.path(runs_dir))
+        if done is not None:
+            records[cell.key] = done
+        else:
+            pending.append(cell)
     failures: list[tuple[Cell, BaseException]] = []
     if not pending:
         return records, failures

@@ -159,7 +159,8 @@ def cells(experiment: str, profile: str, seeds: int, n: int | None = None, per_n
 
 
 @lru_cache(maxsize=2)
-def _dataset(data: str | None):
+def cached_dataset(data: str | None):
+    """load_cifar10, once per source and process (the CLI checks the data before runs ask for it)."""
     return load_cifar10(data)
 
 
@@ -223,7 +224,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     """Train one cell; return metrics, per-epoch curves, movement statistics and timings."""
     t_start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    ds = _dataset(str(data) if data else None)
+    ds = cached_dataset(str(data) if data else None)
     subset_gen, order_gen = _generators(cfg["seed"])
     train_idx, val_idx = split_indices(ds.train_y, cfg, subset_gen)
     x_train = normalize(ds.train_x[train_idx]).to(device)  # (n, 3, 32, 32)
