@@ -1,10 +1,11 @@
 """Full-batch training steps per second of the grokking profiles, both arms, one thread each.
 
-    python benchmarks/grok_speed.py [--epochs 60] [--json benchmarks/results/grok_speed.json]
+    python benchmarks/grok_speed.py [--epochs 60] [--json benchmarks/results/grok_speed.json] [--readme README.md]
 
 The `cpu` profile must finish 20,000 epochs in at most 15 minutes when two runs share this
 2-core machine (one thread each); this prints the measured rate and that projection for the
-`cpu` and the reference `paper` profile. Arms are timed round-robin in one process.
+`cpu` and the reference `paper` profile. Arms are timed round-robin in one process. With
+--readme, the table replaces the block between the grok-speed markers in that file.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from timing import round_robin  # benchmarks/timing.py, beside this script
+from readme import replace_block  # benchmarks/readme.py, beside this script
+from timing import round_robin
 
 from stiefel_attention.data import modular_task
 from stiefel_attention.experiments import grok
@@ -47,10 +50,23 @@ def steps_per_second(profile: str, epochs: int) -> dict[str, float]:
     return {arm: 1.0 / statistics.median(ts) for arm, ts in times.items()}
 
 
+def markdown_table(result: dict) -> str:
+    lines = [f"Full-batch training epochs per second of the grokking model, one thread, torch {torch.__version__}, "
+             f"{platform.machine()} (`benchmarks/grok_speed.py`; median of timed epochs, arms round-robin):", "",
+             "| profile | model | arm | epochs/s | 20,000 epochs |", "|---|---|---|---|---|"]
+    for profile in ("cpu", "paper"):
+        m = result[profile]["model"]
+        shape = f"p={m['p']}, d_model {m['d_model']}, {m['n_heads']} heads of {m['head_dim']}, MLP {m['d_mlp']}"
+        for arm, rate in result[profile]["steps_per_s"].items():
+            lines.append(f"| {profile} | {shape} | {arm} | {rate:.1f} | {20000 / rate / 60:.1f} min |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=60, help="timed epochs per arm and profile")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--readme", default=None, help="file with <!-- grok-speed:start/end --> markers to update")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -65,6 +81,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"threads": 1, "torch": torch.__version__, **result}, f, indent=2)
+    if args.readme:
+        replace_block(args.readme, markdown_table(result), "<!-- grok-speed:start -->", "<!-- grok-speed:end -->")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from timing import round_robin  # benchmarks/timing.py, beside this script
+from readme import replace_block  # benchmarks/readme.py, beside this script
+from timing import round_robin
 
 from stiefel_attention import PatchViT, StiefelAdam, build_optimizer, random_frame
 
@@ -143,17 +144,6 @@ def markdown_table(result: dict) -> str:
               f"{train['adamw'] * 1e3:.1f} ms, stiefel-adam arm {train['stiefel-adam'] * 1e3:.1f} ms: "
               f"overhead {100 * result['overhead']:+.1f}%."]
     return "\n".join(lines)
-
-
-def replace_block(path: str, text: str, start: str = "<!-- benchmark:start -->", end: str = "<!-- benchmark:end -->") -> None:
-    with open(path) as f:
-        content = f.read()
-    if start not in content or end not in content:
-        raise SystemExit(f"{path} has no {start} ... {end} block")
-    head, rest = content.split(start, 1)
-    _, tail = rest.split(end, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{start}\n{text}\n{end}{tail}")
 
 
 if __name__ == "__main__":

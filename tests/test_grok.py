@@ -148,3 +148,40 @@ def test_study_verdict_when_neither_arm_groks():
     st = paired_comparison([20001.0] * 3, [20001.0] * 3)
     assert _study_verdict(st, st, {"adamw": 3, "stiefel-adam": 3}) == \
         "untestable here: neither arm reaches 95% validation accuracy in any of 3 seeds"
+
+
+def _fake_grok_record(op, arm, seed, grok_epoch, final_acc):
+    return {"config": {"op": op, "arm": arm, "seed": seed, "epochs": 20000},
+            "metrics": {"final_val_acc": final_acc, "epoch_val_acc_95": grok_epoch, "max_qk_isometry": 1e-6, "collapses": []},
+            "curves": {"val_acc": [final_acc]}, "timings": {"epochs_per_s": 30.0}}
+
+
+def test_study_markdown_censors_never_grokked_runs_and_prints_undefined_t_as_na():
+    from stiefel_attention.report import grok_markdown, grok_summary
+
+    records = [_fake_grok_record("+", "adamw", s, None, 0.25) for s in range(3)]
+    records += [_fake_grok_record("+", "stiefel-adam", s, e, 1.0) for s, e in zip(range(3), (4000, 6000, 9000))]
+    records += [_fake_grok_record("-", arm, s, None, 0.01) for arm in ("adamw", "stiefel-adam") for s in range(3)]
+    summary = grok_summary("study", records)
+    # Never reaching 95% counts as budget + 1 = 20001, so the paired gap is exactly mean(4000, 6000, 9000) - 20001.
+    assert summary["studies"]["+"]["epoch_to_95"]["mean_diff"] == pytest.approx(19000 / 3 - 20001)
+    assert summary["studies"]["+"]["never_grokked"] == {"adamw": 3, "stiefel-adam": 0}
+    md = grok_markdown(summary, "cpu")
+    assert "its epoch budget + 1, a lower bound" in md
+    minus_epochs = next(line for line in md.splitlines() if line.startswith("| - | epochs to 95%"))
+    assert "| n/a | n/a | n/a |" in minus_epochs and "nan" not in minus_epochs  # t, p_t, p_W all undefined
+    assert "untestable here" in minus_epochs
+
+
+def test_single_verdict_reports_the_ordering_and_each_arm_against_the_paper():
+    from stiefel_attention.claims import GROK_SINGLE
+    from stiefel_attention.report import _single_verdict
+
+    runs = [{"arm": "adamw", "final_val_acc": 24.0}, {"arm": "stiefel-adam", "final_val_acc": 100.0}]
+    assert _single_verdict(runs, GROK_SINGLE["paper"]) == (
+        "ordering replicates (one seed, no test; the study is the test): stiefel-adam 100.0% vs paper 97.0%, adamw 24.0% vs paper 61.1%")
+    runs[1]["final_val_acc"] = 50.0
+    assert _single_verdict(runs, GROK_SINGLE["paper"]).startswith("ordering replicates, but the Stiefel arm does not hold >= 95%")
+    runs[0]["final_val_acc"] = 99.0
+    assert _single_verdict(runs, GROK_SINGLE["paper"]).startswith("does not replicate: the baseline ends ahead")
+    assert _single_verdict(runs[:1], GROK_SINGLE["paper"]) == "incomplete: needs both arms"

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from . import claims
+from .experiments.grok import GROK_THRESHOLD
 from .runner import write_json_atomic
 from .stats import describe, paired_comparison
 
@@ -205,6 +207,11 @@ def _fmt_p(p: float) -> str:
     return "n/a" if p is None or math.isnan(p) else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
 
 
+def _fmt_t(t: float) -> str:
+    """A t statistic; undefined (n/a) when every paired difference is the same, e.g. all zero."""
+    return "n/a" if t is None or math.isnan(t) else f"{t:.2f}"
+
+
 def _md_comparisons(summary: dict) -> list[str]:
     lines = ["| comparison | paper claim | measured mean diff (pp) | 95% CI | t | p (t) | p (Wilcoxon) | wins | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -212,7 +219,7 @@ def _md_comparisons(summary: dict) -> list[str]:
         name = f"{c['arm']} vs {c['baseline']}" + (f" (n={c['n_train']})" if "n_train" in c else "")
         paper = c["text"] if c.get("paper") is None else f"{c['paper']:+.2f} pp — {c['text']}"
         lines.append(f"| {name} | {paper} | {c['mean_diff']:+.2f} | {_fmt_ci(c['ci95'])} | "
-                     f"{c['t']:.2f} | {_fmt_p(c['p_t'])} | {_fmt_p(c['p_wilcoxon'])} | {c['wins']}/{c['n_seeds']} | {c['verdict']} |")
+                     f"{_fmt_t(c['t'])} | {_fmt_p(c['p_t'])} | {_fmt_p(c['p_wilcoxon'])} | {c['wins']}/{c['n_seeds']} | {c['verdict']} |")
     return lines
 
 
@@ -381,7 +388,7 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
                                 "final_val_acc": 100 * m["final_val_acc"], "epoch_val_acc_95": m["epoch_val_acc_95"],
                                 "max_val_acc": 100 * max(rec["curves"]["val_acc"], default=0.0),
                                 "max_qk_isometry": m["max_qk_isometry"], "collapses": m["collapses"],
-                                "epochs_per_s": rec["timings"]["epochs_per_s"]})
+                                "epochs_per_s": rec["timings"]["epochs_per_s"], "total_s": rec["timings"].get("total_s")})
     if experiment == "single":
         summary["paper"] = claims.GROK_SINGLE
     elif experiment == "study":
@@ -398,12 +405,9 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
                 return r["epoch_val_acc_95"] if r["epoch_val_acc_95"] is not None else r["epochs"] + 1
             st_epoch = paired_comparison([grok_epoch(table["stiefel-adam"][s]) for s in seeds], [grok_epoch(table["adamw"][s]) for s in seeds])
             st_acc = paired_comparison([table["stiefel-adam"][s]["final_val_acc"] for s in seeds], [table["adamw"][s]["final_val_acc"] for s in seeds])
-            summary["studies"][op] = {
-                "seeds": seeds,
-                "never_grokked": {arm: sum(table[arm][s]["epoch_val_acc_95"] is None for s in seeds) for arm in table},
-                "epoch_to_95": st_epoch, "final_val_acc": st_acc,
-                "verdict": _study_verdict(st_epoch, st_acc, {arm: sum(table[arm][s]["epoch_val_acc_95"] is None for s in seeds) for arm in table}),
-            }
+            never = {arm: sum(table[arm][s]["epoch_val_acc_95"] is None for s in seeds) for arm in table}
+            summary["studies"][op] = {"seeds": seeds, "never_grokked": never, "epoch_to_95": st_epoch, "final_val_acc": st_acc,
+                                      "verdict": _study_verdict(st_epoch, st_acc, never)}
     elif experiment == "slingshot":
         summary["paper"] = claims.GROK_SLINGSHOT
         iso = {r["arm"]: r["max_qk_isometry"] for r in summary["runs"]}
@@ -422,6 +426,24 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
                 summary["verdict"] += (f"; isometry error >= 10^6 x lower: {'holds' if ratio >= 1e6 else 'does not hold'} "
                                        f"(ratio {ratio:.1e}; the constraint guarantees it)")
     return summary
+
+
+def _single_verdict(runs: list[dict], paper: dict) -> str:
+    """One seed gives an ordering and two endpoints, not an effect size: say whether the ordering and
+    the Stiefel arm's endpoint (>= GROK_THRESHOLD) match the paper's, and how far each arm is from its number."""
+    acc = {r["arm"]: r["final_val_acc"] for r in runs}
+    if set(acc) != {"adamw", "stiefel-adam"}:
+        return "incomplete: needs both arms"
+    same_order = (acc["stiefel-adam"] > acc["adamw"]) == (paper["stiefel-adam"] > paper["adamw"])
+    holds = acc["stiefel-adam"] >= 100 * GROK_THRESHOLD
+    gaps = ", ".join(f"{arm} {acc[arm]:.1f}% vs paper {paper[arm]:.1f}%" for arm in ("stiefel-adam", "adamw"))
+    if same_order and holds:
+        head = "ordering replicates (one seed, no test; the study is the test)"
+    elif same_order:
+        head = "ordering replicates, but the Stiefel arm does not hold >= 95%"
+    else:
+        head = "does not replicate: the baseline ends ahead"
+    return f"{head}: {gaps}"
 
 
 def _slingshot_verdict(run: dict) -> str:
@@ -474,6 +496,12 @@ def grok_markdown(summary: dict, profile: str) -> str:
                      f"{r['epoch_val_acc_95'] if r['epoch_val_acc_95'] is not None else 'never'} | {r['max_qk_isometry']:.1e} | "
                      f"{len(cols)} ({sum(c['survived'] for c in cols)}) |")
     lines.append("")
+    rates = [r["epochs_per_s"] for r in summary["runs"] if r.get("epochs_per_s")]
+    walls = [r["total_s"] for r in summary["runs"] if r.get("total_s")]
+    if rates and walls:
+        lines += [f"Speed as run (the records' own timings): median {statistics.median(rates):.1f} training epochs/s per run; "
+                  f"wall-clock per run, evaluation included, median {statistics.median(walls) / 60:.1f} min "
+                  f"(range {min(walls) / 60:.1f}-{max(walls) / 60:.1f}).", ""]
     if exp == "single":
         p = summary["paper"]
         lines += [f"Paper: {p['text']}.", ""]
@@ -485,10 +513,11 @@ def grok_markdown(summary: dict, profile: str) -> str:
             ng = st["never_grokked"]
             for name, s in (("epochs to 95% val acc", st["epoch_to_95"]), ("final val acc (pp)", st["final_val_acc"])):
                 wins = (s["losses"] if name.startswith("epochs") else s["wins"])  # fewer epochs is a win
-                lines.append(f"| {op} | {name} | {s['mean_diff']:+.1f} | {_fmt_ci(s['ci95'], 1)} | {s['t']:.2f} | {_fmt_p(s['p_t'])} | "
+                lines.append(f"| {op} | {name} | {s['mean_diff']:+.1f} | {_fmt_ci(s['ci95'], 1)} | {_fmt_t(s['t'])} | {_fmt_p(s['p_t'])} | "
                              f"{_fmt_p(s['p_wilcoxon'])} | {wins}/{s['n_seeds']} | {ng['adamw']} / {ng['stiefel-adam']} | "
                              f"{st['verdict'] if name.startswith('epochs') else ''} |")
-        lines.append("")
+        lines += ["", "A run that never reaches 95% enters the epoch comparison as its epoch budget + 1, a lower bound on "
+                  "its true time, so a gap involving such runs is understated.", ""]
     if exp == "slingshot":
         lines += [f"Paper: {summary['paper']['text']}.", ""]
         if summary.get("conditions"):
@@ -620,7 +649,7 @@ def rebuild_all(results_dir: str | Path) -> list[Path]:
 
 
 def _ci(c: dict) -> str:
-    return f"{c['mean_diff']:+.2f} pp {_fmt_ci(c['ci95'])}, t={c['t']:.2f}, p_t={_fmt_p(c['p_t'])}, p_W={_fmt_p(c['p_wilcoxon'])}, {c['wins']}/{c['n_seeds']} wins"
+    return f"{c['mean_diff']:+.2f} pp {_fmt_ci(c['ci95'])}, t={_fmt_t(c['t'])}, p_t={_fmt_p(c['p_t'])}, p_W={_fmt_p(c['p_wilcoxon'])}, {c['wins']}/{c['n_seeds']} wins"
 
 
 def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, str]]:
@@ -652,7 +681,7 @@ def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, s
                 rows.append((link, prof, s["text"], f"median {r['median']:.3g}x (range {r['min']:.3g}-{r['max']:.3g}x) at SGD frame lr {r.get('lr')}", r["verdict"]))
         if family == "grok" and exp == "single" and s["runs"]:
             got = ", ".join(f"{r['arm']} {r['final_val_acc']:.1f}% at epoch {r['epochs']}" for r in s["runs"])
-            rows.append((link, prof, s["paper"]["text"], got, "single run: an endpoint, not an effect size"))
+            rows.append((link, prof, s["paper"]["text"], got, _single_verdict(s["runs"], s["paper"]["paper"])))
         for op, st in s.get("studies", {}).items():
             e = st["epoch_to_95"]
             got = (f"stiefel-adam − adamw epochs to 95% val acc: {e['mean_diff']:+.0f} {_fmt_ci(e['ci95'], 0)}, p_t={_fmt_p(e['p_t'])}, "
