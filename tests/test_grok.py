@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +89,19 @@ def test_qk_isometry_column_normalised_for_euclidean():
     with torch.no_grad():
         model.blocks[0].attn.w_q[0, :, 1] = model.blocks[0].attn.w_q[0, :, 0]  # two equal columns
     assert grok.qk_isometry(model) == pytest.approx(2 ** 0.5, rel=1e-4)  # two off-diagonal ones
+
+
+def test_slingshot_pilots_differ_only_in_the_op_and_keep_the_division_keys():
+    cells = grok.cells("slingshot", "cpu")
+    assert [(c.config["op"], c.config["arm"]) for c in cells] == [("/", "adamw"), ("/", "stiefel-adam"), ("+", "adamw"), ("+", "stiefel-adam")]
+    for div, add in zip(cells[:2], cells[2:]):
+        assert {k for k in div.config if div.config[k] != add.config[k]} == {"op"}
+    # Adding the addition pilot must not re-key (and so re-run) the committed division records.
+    assert [c.name for c in cells[:2]] == ["adamw-s0-div-slingshot", "stiefel-adam-s0-div-slingshot"]
+    committed = Path(__file__).resolve().parents[1] / "results" / "grok" / "runs"
+    if committed.is_dir():
+        on_disk = {f.name for f in committed.glob("*-div-slingshot-*.json")}
+        assert on_disk and on_disk <= {c.path(committed).name for c in cells}
 
 
 def test_slingshot_regularises_everything_but_qk():
@@ -185,3 +199,29 @@ def test_single_verdict_reports_the_ordering_and_each_arm_against_the_paper():
     runs[0]["final_val_acc"] = 99.0
     assert _single_verdict(runs, GROK_SINGLE["paper"]).startswith("does not replicate: the baseline ends ahead")
     assert _single_verdict(runs[:1], GROK_SINGLE["paper"]) == "incomplete: needs both arms"
+
+
+def test_slingshot_summary_gives_each_pilot_its_conditions_ratio_and_verdict():
+    from stiefel_attention.report import grok_markdown, grok_summary
+
+    records = []
+    for op, grok_epoch in (("/", None), ("+", 3000)):
+        for arm, iso in (("adamw", 15.0), ("stiefel-adam", 1e-6)):
+            rec = _fake_grok_record(op, arm, 0, grok_epoch if arm == "stiefel-adam" else None, 0.99 if grok_epoch and arm == "stiefel-adam" else 0.02)
+            cfg = grok.cells("slingshot", "cpu")[0].config
+            rec["config"] = dict(cfg, op=op, arm=arm, epochs=40000)
+            rec["metrics"]["max_qk_isometry"] = iso
+            if arm == "stiefel-adam" and grok_epoch:
+                rec["metrics"]["collapses"] = [{"epoch": 5000, "survived": True, "train_loss_before": 1e-7, "train_loss_peak": 1e-1,
+                                                "val_acc_before": 0.99, "val_acc_min": 0.5}]
+            records.append(rec)
+    summary = grok_summary("slingshot", records)
+    assert list(summary["pilots"]) == ["/", "+"]  # the order of grok.SLINGSHOT_OPS
+    div, add = summary["pilots"]["/"], summary["pilots"]["+"]
+    assert div["conditions"].startswith("(a / b) mod 97, train fraction 0.3, 40000 full-batch epochs")
+    assert div["isometry_ratio"] == pytest.approx(1.5e7) and add["isometry_ratio"] == pytest.approx(1.5e7)
+    assert div["verdict"].startswith("stable grokking does not replicate, the Stiefel arm never groks")
+    assert add["verdict"].startswith("stable grokking replicates, the Stiefel arm groks at epoch 3000 and survives all 1 later collapses")
+    md = grok_markdown(summary, "cpu")
+    assert md.index("### Pilot (a / b)") < md.index("### Pilot (a + b)")
+    assert "- stiefel-adam: collapse at epoch 5000" in md.split("### Pilot (a + b)")[1]

@@ -410,21 +410,10 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
                                       "verdict": _study_verdict(st_epoch, st_acc, never)}
     elif experiment == "slingshot":
         summary["paper"] = claims.GROK_SLINGSHOT
-        iso = {r["arm"]: r["max_qk_isometry"] for r in summary["runs"]}
-        if "adamw" in iso and "stiefel-adam" in iso and iso["stiefel-adam"] > 0:
-            summary["isometry_ratio"] = iso["adamw"] / iso["stiefel-adam"]
-        if records:
-            c = records[0]["config"]
-            summary["conditions"] = (f"(a {c['op']} b) mod {c['model']['p']}, train fraction {c['train_fraction']}, "
-                                     f"{c['epochs']} full-batch epochs, lr {c['lr']:g} (frames {c['frame_lr']:g}), betas {tuple(c['betas'])}, "
-                                     f"weight decay {c['weight_decay']:g} on {'every parameter except W_Q, W_K' if c['regularize'] == 'non-qk' else c['regularize']}")
-        stiefel = [r for r in summary["runs"] if r["arm"] == "stiefel-adam"]
-        if stiefel:
-            summary["verdict"] = "stable grokking " + _slingshot_verdict(stiefel[0])
-            if "isometry_ratio" in summary:
-                ratio = summary["isometry_ratio"]
-                summary["verdict"] += (f"; isometry error >= 10^6 x lower: {'holds' if ratio >= 1e6 else 'does not hold'} "
-                                       f"(ratio {ratio:.1e}; the constraint guarantees it)")
+        summary["pilots"] = {}
+        for op in sorted({r["op"] for r in summary["runs"]}, key=_slingshot_order):
+            config = next(rec["config"] for rec in records if rec["config"]["op"] == op)
+            summary["pilots"][op] = _slingshot_pilot([r for r in summary["runs"] if r["op"] == op], config)
     return summary
 
 
@@ -444,6 +433,31 @@ def _single_verdict(runs: list[dict], paper: dict) -> str:
     else:
         head = "does not replicate: the baseline ends ahead"
     return f"{head}: {gaps}"
+
+
+def _slingshot_order(op: str) -> int:
+    from .experiments.grok import SLINGSHOT_OPS
+
+    return SLINGSHOT_OPS.index(op) if op in SLINGSHOT_OPS else len(SLINGSHOT_OPS)
+
+
+def _slingshot_pilot(runs: list[dict], c: dict) -> dict:
+    """One pilot (one op): its conditions, the isometry ratio and the two-part verdict."""
+    pilot: dict = {"conditions": (f"(a {c['op']} b) mod {c['model']['p']}, train fraction {c['train_fraction']}, "
+                                  f"{c['epochs']} full-batch epochs, lr {c['lr']:g} (frames {c['frame_lr']:g}), betas {tuple(c['betas'])}, "
+                                  f"weight decay {c['weight_decay']:g} on "
+                                  f"{'every parameter except W_Q, W_K' if c['regularize'] == 'non-qk' else c['regularize']}")}
+    iso = {r["arm"]: r["max_qk_isometry"] for r in runs}
+    if "adamw" in iso and "stiefel-adam" in iso and iso["stiefel-adam"] > 0:
+        pilot["isometry_ratio"] = iso["adamw"] / iso["stiefel-adam"]
+    stiefel = [r for r in runs if r["arm"] == "stiefel-adam"]
+    if stiefel:
+        pilot["verdict"] = "stable grokking " + _slingshot_verdict(stiefel[0])
+        if "isometry_ratio" in pilot:
+            ratio = pilot["isometry_ratio"]
+            pilot["verdict"] += (f"; isometry error >= 10^6 x lower: {'holds' if ratio >= 1e6 else 'does not hold'} "
+                                 f"(ratio {ratio:.1e}; the constraint guarantees it)")
+    return pilot
 
 
 def _slingshot_verdict(run: dict) -> str:
@@ -519,24 +533,26 @@ def grok_markdown(summary: dict, profile: str) -> str:
         lines += ["", "A run that never reaches 95% enters the epoch comparison as its epoch budget + 1, a lower bound on "
                   "its true time, so a gap involving such runs is understated.", ""]
     if exp == "slingshot":
-        lines += [f"Paper: {summary['paper']['text']}.", ""]
-        if summary.get("conditions"):
-            lines += [f"Conditions: {summary['conditions']}.", ""]
-        if summary.get("verdict"):
-            lines += [f"Verdict (stable grokking: reach 95% validation accuracy and get back to it after every later collapse): "
-                      f"**{summary['verdict']}**.", ""]
-        if "isometry_ratio" in summary:
-            lines += [f"Measured: max Q/K isometry error, unconstrained / Stiefel = {summary['isometry_ratio']:.1e} "
-                      "(frames are orthonormal to float32 round-off by construction, so a ratio of this order is expected "
-                      "whenever the unconstrained Q/K drift at all).", ""]
-        for r in summary["runs"]:
-            for c in r["collapses"]:
-                lines.append(f"- {r['arm']}: collapse at epoch {c['epoch']}: train loss {c['train_loss_before']:.1e} -> "
-                             f"{c['train_loss_peak']:.1e}, val acc {100 * (c['val_acc_before'] or 0):.1f}% -> "
-                             f"{100 * c['val_acc_min']:.1f}%, survived: {c['survived']}")
-        if not any(r["collapses"] for r in summary["runs"]):
-            lines.append("No collapse (train loss spike > 10x its running minimum after fitting) occurred in these runs.")
-        lines.append("")
+        lines += [f"Paper: {summary['paper']['text']}.", "",
+                  "Stable grokking: reach 95% validation accuracy and get back to it after every later collapse. "
+                  "Collapse: a train-loss spike > 10x its running minimum after the training set is fitted.", ""]
+        for op, pilot in summary["pilots"].items():
+            lines += [f"### Pilot (a {op} b)", "", f"Conditions: {pilot['conditions']}.", ""]
+            if pilot.get("verdict"):
+                lines += [f"Verdict: **{pilot['verdict']}**.", ""]
+            if "isometry_ratio" in pilot:
+                lines += [f"Measured: max Q/K isometry error, unconstrained / Stiefel = {pilot['isometry_ratio']:.1e} "
+                          "(frames are orthonormal to float32 round-off by construction, so a ratio of this order is expected "
+                          "whenever the unconstrained Q/K drift at all).", ""]
+            runs = [r for r in summary["runs"] if r["op"] == op]
+            for r in runs:
+                for c in r["collapses"]:
+                    lines.append(f"- {r['arm']}: collapse at epoch {c['epoch']}: train loss {c['train_loss_before']:.1e} -> "
+                                 f"{c['train_loss_peak']:.1e}, val acc {100 * (c['val_acc_before'] or 0):.1f}% -> "
+                                 f"{100 * c['val_acc_min']:.1f}%, survived: {c['survived']}")
+            if not any(r["collapses"] for r in runs):
+                lines.append("No collapse occurred in these runs.")
+            lines.append("")
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"
@@ -571,14 +587,17 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
     made: list[str] = []
     _save(fig, out_dir, "curves.png", made, dpi=110)
     if summary["experiment"] == "slingshot":
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for rec in records:
-            c = rec["curves"]
-            ax.plot(c["epoch"], c["train_loss"], color=colors.get(rec["config"]["arm"]), label=rec["config"]["arm"])
-        ax.set_yscale("log")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("train loss (spikes = slingshot collapses)")
-        ax.legend()
+        fig, axes = plt.subplots(1, len(ops), figsize=(7 * len(ops), 3.5), squeeze=False)
+        for ax, op in zip(axes[0], ops):
+            for rec in records:
+                if rec["config"]["op"] == op:
+                    c = rec["curves"]
+                    ax.plot(c["epoch"], c["train_loss"], color=colors.get(rec["config"]["arm"]), label=rec["config"]["arm"], lw=1)
+            ax.set_title(f"(a {op} b) mod p")
+            ax.set_yscale("log")
+            ax.set_xlabel("epoch")
+            ax.set_ylabel("train loss (spikes = slingshot collapses)")
+            ax.legend()
         _save(fig, out_dir, "train_loss.png", made, dpi=110)
     return made
 
@@ -688,13 +707,14 @@ def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, s
                    f"p_W={_fmt_p(e['p_wilcoxon'])}, stiefel faster in {e['losses']}/{e['n_seeds']}; never reached 95%: "
                    f"adamw {st['never_grokked']['adamw']}, stiefel {st['never_grokked']['stiefel-adam']}")
             rows.append((link, prof, f"op {op}: {s['paper_text']}", got, st["verdict"]))
-        if family == "grok" and exp == "slingshot" and s["runs"]:
-            n_col = {r["arm"]: (len(r["collapses"]), sum(c["survived"] for c in r["collapses"])) for r in s["runs"]}
-            got = "; ".join(f"{a}: {n} collapses, {k} survived" for a, (n, k) in n_col.items())
-            if "isometry_ratio" in s:
-                got += f"; isometry ratio {s['isometry_ratio']:.1e}"
-            best = ", ".join(f"{r['arm']} best val acc {r['max_val_acc']:.1f}%" for r in s["runs"])
-            rows.append((link, prof, s["paper"]["text"], f"{got}; {best}", s.get("verdict", "pilot: see summary")))
+        for op, pilot in s.get("pilots", {}).items():
+            runs = [r for r in s["runs"] if r["op"] == op]
+            got = "; ".join(f"{r['arm']}: {len(r['collapses'])} collapses, {sum(c['survived'] for c in r['collapses'])} survived"
+                            for r in runs)
+            if "isometry_ratio" in pilot:
+                got += f"; isometry ratio {pilot['isometry_ratio']:.1e}"
+            best = ", ".join(f"{r['arm']} best val acc {r['max_val_acc']:.1f}%" for r in runs)
+            rows.append((link, prof, f"op {op}: {s['paper']['text']}", f"{got}; {best}", pilot.get("verdict", "pilot: see summary")))
         rows[rows_before:] = [(*row, plots) for row in rows[rows_before:]]
     return rows
 
