@@ -162,6 +162,13 @@ def test_study_verdict_when_neither_arm_groks():
     st = paired_comparison([20001.0] * 3, [20001.0] * 3)
     assert _study_verdict(st, st, {"adamw": 3, "stiefel-adam": 3}) == \
         "untestable here: neither arm reaches 95% validation accuracy in any of 3 seeds"
+    # Final accuracy (pp, stiefel − adamw) still names the arm ahead, as the subtraction study needs.
+    acc = paired_comparison([3.2, 1.0, 3.1, 1.9, 1.4], [0.5, 0.5, 0.5, 0.4, 0.4])
+    st5 = paired_comparison([20001.0] * 5, [20001.0] * 5)
+    verdict = _study_verdict(st5, acc, {"adamw": 5, "stiefel-adam": 5})
+    assert verdict.endswith("; final val acc: the Stiefel arm ahead in 5/5 seeds, +1.7 pp, p_t=0.019")
+    behind = paired_comparison([0.5, 0.5, 0.5, 0.4, 0.4], [3.2, 1.0, 3.1, 1.9, 1.4])
+    assert "the baseline ahead in 5/5 seeds, -1.7 pp" in _study_verdict(st5, behind, {"adamw": 5, "stiefel-adam": 5})
 
 
 def _fake_grok_record(op, arm, seed, grok_epoch, final_acc):

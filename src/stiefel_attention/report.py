@@ -482,7 +482,13 @@ def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None) -> s
     """
     n = st_epoch["n_seeds"]
     if never and all(v == n for v in never.values()):
-        return f"untestable here: neither arm reaches 95% validation accuracy in any of {n} seeds"
+        # Epochs-to-95% carries no information; final accuracy still says which arm is ahead.
+        said = f"untestable here: neither arm reaches 95% validation accuracy in any of {n} seeds"
+        if n >= 2 and st_acc["mean_diff"] != 0:
+            ahead, wins = ("the Stiefel arm", st_acc["wins"]) if st_acc["mean_diff"] > 0 else ("the baseline", st_acc["losses"])
+            said += (f"; final val acc: {ahead} ahead in {wins}/{n} seeds, "
+                     f"{st_acc['mean_diff']:+.1f} pp, p_t={_fmt_p(st_acc['p_t'])}")
+        return said
     if n < 2:
         return "too few seeds to test"
     faster = st_epoch["mean_diff"] < 0  # stiefel reaches 95% in fewer epochs
