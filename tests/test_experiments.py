@@ -389,3 +389,17 @@ def test_report_refuses_mixed_profiles_and_cli_keeps_smoke_out_of_results(tmp_pa
                      "--out", str(tmp_path / "cifar"), "--no-progress"]) == 2
     assert cli.default_results_dir("cpu").as_posix() == "results"
     assert cli.default_results_dir("smoke").as_posix() == "results-smoke"
+
+
+def test_an_unreadable_record_is_skipped_with_a_warning(tmp_path, capsys):
+    from stiefel_attention.report import load_records
+    from stiefel_attention.runner import read_record
+
+    good = {"family": "grok", "name": "a", "config": {"profile": "smoke"}}
+    (tmp_path / "a.json").write_text(json.dumps(good))
+    (tmp_path / "b.json").write_text('{"family": "grok", "name": "b", "conf')  # a truncated copy
+    assert read_record(tmp_path / "missing.json") is None and capsys.readouterr().err == ""
+    assert load_records(tmp_path) == [good]
+    err = capsys.readouterr().err
+    assert "unreadable record" in err and "b.json" in err and "a.json" not in err
+    assert load_records(tmp_path, family="cifar") == []

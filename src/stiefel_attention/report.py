@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import claims
 from .experiments.grok import GROK_THRESHOLD
-from .runner import write_json_atomic
+from .runner import read_record, write_json_atomic
 from .stats import describe, paired_comparison
 
 __all__ = ["cifar_summary", "write_cifar_report", "verdict", "load_records"]
@@ -23,11 +23,8 @@ __all__ = ["cifar_summary", "write_cifar_report", "verdict", "load_records"]
 def load_records(runs_dir: str | Path, family: str | None = None) -> list[dict]:
     out = []
     for path in sorted(Path(runs_dir).glob("*.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            continue
-        if family is None or rec.get("family") == family:
+        rec = read_record(path)  # an unreadable file is left out with a warning, never silently
+        if rec is not None and (family is None or rec.get("family") == family):
             out.append(rec)
     return out
 
