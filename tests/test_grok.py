@@ -167,6 +167,8 @@ def test_study_verdict_when_neither_arm_groks():
     st5 = paired_comparison([20001.0] * 5, [20001.0] * 5)
     verdict = _study_verdict(st5, acc, {"adamw": 5, "stiefel-adam": 5})
     assert verdict.endswith("; final val acc: the Stiefel arm ahead in 5/5 seeds, +1.7 pp, p_t=0.019")
+    one = paired_comparison([20001.0], [20001.0])  # the single run alone: no study to test yet
+    assert _study_verdict(one, one, {"adamw": 1, "stiefel-adam": 1}) == "too few seeds to test"
     behind = paired_comparison([0.5, 0.5, 0.5, 0.4, 0.4], [3.2, 1.0, 3.1, 1.9, 1.4])
     assert "the baseline ahead in 5/5 seeds, -1.7 pp" in _study_verdict(st5, behind, {"adamw": 5, "stiefel-adam": 5})
 
