@@ -69,6 +69,25 @@ def test_fast_path_equals_plain_forward_and_its_gradients(n_layers, layernorm, q
     assert max(float((a - b).abs().max()) for a, b in zip(g_fast, g_full)) < 1e-10
 
 
+@pytest.mark.parametrize("op", ["+", "/"])
+def test_one_layer_qk_gradients_are_rank_one(op):
+    """With one layer the query is read only at '=', whose input x_= (token + position embedding) is
+    the same for every equation: q = W_Q^T x_= is one vector per head, so dL/dW_Q = x_= (dL/dq)^T and
+    dL/dW_K = (sum over keys of dL/ds * x) q^T are both rank one. This is why the unconstrained
+    arm's Q/K heads drift to parallel columns (report.py cites it). A second layer breaks it."""
+    def grad_rank_ratios(n_layers):
+        torch.manual_seed(0)
+        model = ModularTransformer(23, d_model=32, n_heads=2, head_dim=8, d_mlp=64, n_layers=n_layers, qk="euclidean").double()
+        task = modular_task(23, op, 0.5, 0)
+        torch.nn.functional.cross_entropy(model(task.train_tokens), task.train_labels).backward()
+        attn = model.blocks[-1].attn
+        sv = [torch.linalg.svdvals(w.grad) for w in (attn.w_q, attn.w_k)]  # (H, r) each
+        return torch.stack([s[:, 1] / s[:, 0] for s in sv])  # second / first singular value
+
+    assert torch.all(grad_rank_ratios(1) < 1e-12)
+    assert torch.all(grad_rank_ratios(2) > 1e-3)  # the last layer's query now depends on a, b
+
+
 def test_find_collapses_counts_spikes_and_recovery():
     log = {"epoch": list(range(10)),
            "train_loss": [2, 0.5, 1e-3, 5e-4, 0.1, 0.2, 4e-4, 3e-4, 0.5, 0.4],

@@ -447,6 +447,11 @@ def _slingshot_pilot(runs: list[dict], c: dict) -> dict:
     iso = {r["arm"]: r["max_qk_isometry"] for r in runs}
     if "adamw" in iso and "stiefel-adam" in iso and iso["stiefel-adam"] > 0:
         pilot["isometry_ratio"] = iso["adamw"] / iso["stiefel-adam"]
+    if "adamw" in iso:
+        # ||W^T W - I||_F of r unit columns is largest, sqrt(r(r-1)), when they are all parallel.
+        r = c["model"]["head_dim"]
+        pilot["parallel_columns_error"] = math.sqrt(r * (r - 1))
+        pilot["unconstrained_isometry"] = iso["adamw"]
     stiefel = [r for r in runs if r["arm"] == "stiefel-adam"]
     if stiefel:
         pilot["verdict"] = "stable grokking " + _slingshot_verdict(stiefel[0])
@@ -547,6 +552,14 @@ def grok_markdown(summary: dict, profile: str) -> str:
                 lines += [f"Measured: max Q/K isometry error, unconstrained / Stiefel = {pilot['isometry_ratio']:.1e} "
                           "(frames are orthonormal to float32 round-off by construction, so a ratio of this order is expected "
                           "whenever the unconstrained Q/K drift at all).", ""]
+            if "unconstrained_isometry" in pilot:
+                lines += [f"The unconstrained value, {pilot['unconstrained_isometry']:.2f}, is "
+                          f"{100 * pilot['unconstrained_isometry'] / pilot['parallel_columns_error']:.1f}% of sqrt(r(r-1)) = "
+                          f"{pilot['parallel_columns_error']:.2f}, the error of a head whose r columns are all parallel: "
+                          "its Q/K heads are close to rank one. In a 1-layer model the query is read only at the '=' position, "
+                          "whose input is the same for every equation, so every gradient of W_Q and of W_K is rank one "
+                          "(tests/test_grok.py checks this). The ratio measures that drift, which the unconstrained arm "
+                          "shows from its first few hundred epochs, before any slingshot cycle (curves.png).", ""]
             runs = [r for r in summary["runs"] if r["op"] == op]
             for r in runs:
                 for c in r["collapses"]:

@@ -8,7 +8,10 @@ default, the train/validation split (its own generator, `split_seed`), identical
 Q/K isometry error: for frames, max over heads of ||W^T W - I||_F. For Euclidean W_Q, W_K, whose
 scale is free, the same quantity after normalising each column to unit norm: it then measures
 only how far the columns are from orthogonal, the part of the geometry a frame pins down, and
-not the scale that weight decay and the softmax temperature trade against each other.
+not the scale that weight decay and the softmax temperature trade against each other. With one
+layer the query is read only at '=', the same input for every equation, so every W_Q and W_K
+gradient is rank one and unconstrained heads drift towards rank one, where the measure reaches
+its maximum sqrt(r(r-1)).
 """
 
 from __future__ import annotations
