@@ -543,7 +543,9 @@ def grok_markdown(summary: dict, profile: str) -> str:
     if exp == "slingshot":
         lines += [f"Paper: {summary['paper']['text']}.", "",
                   "Stable grokking: reach 95% validation accuracy and get back to it after every later collapse. "
-                  "Collapse: a train-loss spike > 10x its running minimum after the training set is fitted.", ""]
+                  "Collapse: a train-loss spike > 10x its running minimum after the training set is fitted. "
+                  "Survived: validation accuracy back at >= 95% before the next collapse, so in a run that never "
+                  "reaches 95% no collapse can be survived.", ""]
         for op, pilot in summary["pilots"].items():
             lines += [f"### Pilot (a {op} b)", "", f"Conditions: {pilot['conditions']}.", ""]
             if pilot.get("verdict"):
