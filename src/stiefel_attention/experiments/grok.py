@@ -32,10 +32,9 @@ _REFERENCE = dict(p=113, d_model=128, n_heads=4, head_dim=32, d_mlp=512, n_layer
 PROFILES: dict[str, dict] = {
     "smoke": dict(model=dict(p=23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=1, layernorm=False),
                   epochs=300, eval_every=10, slingshot_epochs=400),
-    # The reference widths take ~0.12 s per full-batch epoch on one core (p=113, 3,830 training
-    # equations; benchmarks/grok_speed.py), ~41 min per 20,000 epochs, 57 min as run with
-    # evaluation. Halving every width and using p=97 (the prime of the original grokking paper)
-    # cuts that ~4x; the `single` experiment shows whether this model still groks.
+    # The reference widths do not fit 15 min per 20,000 epochs on one core (benchmarks/grok_speed.py
+    # measures both profiles; README). Halving every width and using p=97 (the prime of the original
+    # grokking paper) does; the `single` experiment shows whether this model still groks.
     "cpu": dict(model=dict(p=97, d_model=64, n_heads=4, head_dim=16, d_mlp=256, n_layers=1, layernorm=False),
                 epochs=20000, eval_every=20, slingshot_epochs=40000),
     "paper": dict(model=_REFERENCE, epochs=20000, eval_every=10, slingshot_epochs=100000),
