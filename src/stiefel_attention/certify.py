@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .manifold import isometry_error, project_tangent, random_frame
+from .manifold import inv_sqrt_gram, isometry_error, project_tangent, random_frame
 from .nn import StiefelAttention
-from .optim import StiefelAdam, StiefelSGD, inv_sqrt_gram
+from .optim import StiefelAdam, StiefelSGD
 
 F64 = torch.float64
 # (batch..., d, r): ordinary, square (d = r), single column (r = 1), batched heads.

@@ -51,9 +51,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     """Train the default PatchViT on a synthetic 10-class image task with two arms, same seed."""
     import torch.nn.functional as F
 
+    from .experiments.arms import HyperParameters, attention_options, build_optimizers
     from .manifold import isometry_error
     from .nn import PatchViT, qk_matrices
-    from .optim import arm_spec, build_optimizer
 
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
@@ -64,10 +64,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     labels = torch.randint(0, 10, (2048,), generator=gen)
     images = templates[labels] + 2.0 * torch.randn(2048, 3, 32, 32, generator=gen)
     for arm in ("adamw", "stiefel-adam"):
-        spec = arm_spec(arm)
         torch.manual_seed(0)
-        model = PatchViT(qk=spec.qk, qk_init=spec.qk_init)
-        opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.05, frame_lr=1e-2)
+        model = PatchViT(**attention_options(arm))
+        (opt,) = build_optimizers(model, arm, HyperParameters(lr=1e-3, weight_decay=0.05, frame_lr=1e-2))
         order = torch.Generator().manual_seed(1)
         t0 = time.perf_counter()
         for step in range(1, args.steps + 1):

@@ -16,23 +16,54 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrizations, parametrize
 
 from .manifold import random_frame
 
-__all__ = ["QK_MODES", "QK_INITS", "StiefelAttention", "Block", "PatchViT", "ModularTransformer", "frames", "qk_matrices"]
+__all__ = ["QK_MODES", "QK_INITS", "QK_LAYOUTS", "StiefelAttention", "Block", "PatchViT", "ModularTransformer", "frames",
+           "qk_matrices", "qk_parameters", "routing_parameters"]
 
-QK_MODES = ("stiefel", "euclidean", "frozen")
+QK_MODES = ("stiefel", "euclidean", "frozen", "parametrized")
 QK_INITS = ("standard", "orthonormal")
+QK_LAYOUTS = ("heads", "linear")
+_ORTHONORMAL_MODES = ("stiefel", "frozen", "parametrized")
+
+
+class _HeadsFromLinear(nn.Module):
+    """Parametrization: an nn.Linear-shaped (H*r, D) matrix read as per-head (H, D, r) matrices."""
+
+    def __init__(self, n_heads: int, d_model: int, head_dim: int):
+        super().__init__()
+        self.shape = (n_heads, d_model, head_dim)
+
+    def forward(self, flat: Tensor) -> Tensor:  # (H*r, D) -> (H, D, r)
+        H, D, r = self.shape
+        return flat.view(H, r, D).transpose(1, 2)
+
+    def right_inverse(self, heads: Tensor) -> Tensor:  # (H, D, r) -> (H*r, D)
+        H, D, r = self.shape
+        return heads.transpose(1, 2).reshape(H * r, D)
 
 
 class StiefelAttention(nn.Module):
-    """Multi-head self-attention with W_Q, W_K stored as frames of shape (n_heads, d_model, head_dim).
+    """Multi-head self-attention with W_Q, W_K read as (n_heads, d_model, head_dim) tensors.
 
-    qk="stiefel": W_Q, W_K are trainable frames (step them with StiefelAdam/StiefelSGD).
-    qk="euclidean": the same tensors as ordinary weights (step them with AdamW).
-    qk="frozen": orthonormal and never trained (requires_grad=False).
+    qk, how W_Q and W_K are held:
+    - "stiefel": trainable frames (one per head), stepped by StiefelAdam/StiefelSGD.
+    - "euclidean": the same tensors as ordinary weights (AdamW, Muon, ...).
+    - "frozen": orthonormal and never trained (requires_grad=False).
+    - "parametrized": orthonormal by torch's `parametrizations.orthogonal` (one batch of H matrices),
+      so any Euclidean optimizer keeps them on St(d_model, head_dim); the trainable tensors are
+      `parametrizations.w_q.original` and `parametrizations.w_k.original`.
     qk_init="standard" is nn.Linear's default initialisation (U(-1/sqrt(d), 1/sqrt(d))), what
     users have today; "orthonormal" starts from exactly the frames the Stiefel arm starts from.
+    qk_norm: RMSNorm over the head dimension on q and k, each with a learnable gain of size
+    head_dim shared by the heads (as timm's qk_norm and Gemma 3), before the 1/sqrt(head_dim) scaling.
+    temperature: one learnable log-temperature per head, initialised at 0; head h's logits are
+    multiplied by exp(log_temperature[h]).
+    qk_layout="linear" stores W_Q, W_K as nn.Linear-shaped (n_heads*head_dim, d_model) matrices
+    behind a reshaping parametrization, for optimizers that take 2-D matrices only (torch.optim.Muon);
+    `w_q`, `w_k` still read as (H, D, r) and the computation is the same.
     W_V and W_O are ordinary nn.Linear layers in every mode.
     """
 
@@ -45,6 +76,9 @@ class StiefelAttention(nn.Module):
         qk_init: str | None = None,
         causal: bool = False,
         bias: bool = True,
+        qk_norm: bool = False,
+        temperature: bool = False,
+        qk_layout: str = "heads",
     ):
         super().__init__()
         if qk not in QK_MODES:
@@ -53,12 +87,18 @@ class StiefelAttention(nn.Module):
             qk_init = "standard" if qk == "euclidean" else "orthonormal"
         if qk_init not in QK_INITS:
             raise ValueError(f"qk_init must be one of {QK_INITS}, got {qk_init!r}")
-        if qk in ("stiefel", "frozen") and qk_init != "orthonormal":
+        if qk in _ORTHONORMAL_MODES and qk_init != "orthonormal":
             raise ValueError(f"qk={qk!r} needs orthonormal frames; qk_init='standard' is only for qk='euclidean'")
+        if qk_layout not in QK_LAYOUTS:
+            raise ValueError(f"qk_layout must be one of {QK_LAYOUTS}, got {qk_layout!r}")
+        if qk_layout == "linear" and qk != "euclidean":
+            raise ValueError("qk_layout='linear' is for Euclidean W_Q, W_K (2-D optimizers such as Muon); "
+                             f"qk={qk!r} keeps the per-head layout")
         if head_dim > d_model:
             raise ValueError(f"head_dim={head_dim} > d_model={d_model}: a frame in St(d, r) needs r <= d")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.qk, self.qk_init, self.causal = qk, qk_init, causal
+        self.qk_norm, self.temperature, self.qk_layout = qk_norm, temperature, qk_layout
 
         # Both initialisations are drawn in every mode (see the module docstring).
         ortho = random_frame(2, n_heads, d=d_model, r=head_dim)  # (2, H, D, r)
@@ -70,6 +110,20 @@ class StiefelAttention(nn.Module):
         self.w_k = nn.Parameter(init[1].clone(), requires_grad=trainable)  # (H, D, r)
         self.w_v = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        if qk_norm:
+            self.q_gain = nn.Parameter(torch.ones(head_dim))  # (r,)
+            self.k_gain = nn.Parameter(torch.ones(head_dim))  # (r,)
+        if temperature:
+            self.log_temperature = nn.Parameter(torch.zeros(n_heads))  # (H,)
+        # Registering a parametrization may draw random numbers (torch's orthogonal completes each
+        # frame to a square basis with randn): keep the global stream where every other arm has it.
+        with torch.random.fork_rng(devices=[]):
+            for name in ("w_q", "w_k"):
+                if qk == "parametrized":
+                    parametrizations.orthogonal(self, name)
+                elif qk_layout == "linear":
+                    parametrize.register_parametrization(self, name, _HeadsFromLinear(n_heads, d_model, head_dim),
+                                                         unsafe=True)
 
     def _heads(self, x: Tensor, w: Tensor) -> Tensor:
         B, N, _ = x.shape
@@ -77,12 +131,25 @@ class StiefelAttention(nn.Module):
         flat = w.permute(1, 0, 2).reshape(self.d_model, self.n_heads * self.head_dim)
         return (x @ flat).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
 
+    def _qk(self, x_q: Tensor, x_k: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries and keys per head, (B, H, Nq, r) and (B, H, Nk, r), with the norm and temperature applied."""
+        q = self._heads(x_q, self.w_q)
+        k = self._heads(x_k, self.w_k)
+        if self.qk_norm:
+            q = _rms_norm(q) * self.q_gain
+            k = _rms_norm(k) * self.k_gain
+        if self.temperature:
+            q = q * self.log_temperature.exp().view(1, -1, 1, 1)
+        return q, k
+
+    def _values(self, x: Tensor) -> Tensor:
+        B, N, _ = x.shape
+        return self.w_v(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
+
     def forward(self, x: Tensor) -> Tensor:
         B, N, _ = x.shape  # (B, N, D)
-        q = self._heads(x, self.w_q)  # (B, H, N, r)
-        k = self._heads(x, self.w_k)  # (B, H, N, r)
-        v = self.w_v(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, H, N, r)
+        q, k = self._qk(x, x)  # (B, H, N, r) each
+        y = F.scaled_dot_product_attention(q, k, self._values(x), is_causal=self.causal)  # (B, H, N, r)
         return self.w_o(y.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))  # (B, N, D)
 
     def forward_last(self, x: Tensor) -> Tensor:
@@ -93,28 +160,78 @@ class StiefelAttention(nn.Module):
         the "=" position).
         """
         B, N, _ = x.shape
-        q = self._heads(x[:, -1:], self.w_q)  # (B, H, 1, r)
-        k = self._heads(x, self.w_k)  # (B, H, N, r)
-        v = self.w_v(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
-        y = F.scaled_dot_product_attention(q, k, v)  # no mask: the last position attends to all
+        q, k = self._qk(x[:, -1:], x)  # (B, H, 1, r), (B, H, N, r)
+        y = F.scaled_dot_product_attention(q, k, self._values(x))  # no mask: the last position attends to all
         return self.w_o(y.transpose(1, 2).reshape(B, 1, self.n_heads * self.head_dim))  # (B, 1, D)
 
-    def frame_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The tensors that hold W_Q, W_K, whatever the mode."""
+    def logits(self, x: Tensor) -> Tensor:
+        """Attention logits (B, H, N, N) as the softmax sees them: scaled, -inf where the mask hides a key."""
+        q, k = self._qk(x, x)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        if self.causal:
+            N = x.shape[1]
+            hidden = torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        return scores
+
+    def bilinear_factors(self) -> tuple[Tensor, Tensor]:
+        """(Q', K'), each (H, D, r), with A_h = Q'_h K'_h^T the bilinear form of head h's logits.
+
+        Gains and temperatures are folded in (Q' = exp(t_h) W_Q diag(g_q), K' = W_K diag(g_k)); the
+        fixed 1/sqrt(head_dim) is not. With qk_norm the logits also divide by the RMS of q and k,
+        which depends on the input and is not part of A.
+        """
+        wq, wk = self.w_q.detach(), self.w_k.detach()
+        if self.qk_norm:
+            wq, wk = wq * self.q_gain.detach(), wk * self.k_gain.detach()
+        if self.temperature:
+            wq = wq * self.log_temperature.detach().exp().view(-1, 1, 1)
+        return wq, wk
+
+    def qk_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The tensors behind W_Q, W_K that an optimizer steps (a parametrization's original where there is one)."""
+        out = []
+        for name in ("w_q", "w_k"):
+            if parametrize.is_parametrized(self, name):
+                out.append((f"parametrizations.{name}.original", getattr(self.parametrizations, name).original))
+            else:
+                out.append((name, getattr(self, name)))
+        return out
+
+    def routing_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """qk_parameters plus what the options add to the query-key path (norm gains, log-temperatures)."""
+        extra = [(n, getattr(self, n)) for n in ("q_gain", "k_gain", "log_temperature") if hasattr(self, n)]
+        return self.qk_parameters() + extra
+
+    def frame_parameters(self) -> list[tuple[str, Tensor]]:
+        """The tensors that hold W_Q, W_K, whatever the mode, as (H, D, r)."""
         return [("w_q", self.w_q), ("w_k", self.w_k)]
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, qk={self.qk}, qk_init={self.qk_init}, causal={self.causal}"
+        extra = "".join(f", {k}=True" for k in ("qk_norm", "temperature") if getattr(self, k))
+        extra += ", qk_layout=linear" if self.qk_layout == "linear" else ""
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, qk={self.qk}, "
+                f"qk_init={self.qk_init}, causal={self.causal}{extra}")
+
+
+def _rms_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / RMS(x) over the last dimension (the head dimension)."""
+    return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
 
 
 class Block(nn.Module):
-    """Transformer block; pre-norm when layernorm=True, plain residual otherwise."""
+    """Transformer block; pre-norm when layernorm=True, plain residual otherwise.
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, d_mlp: int, qk: str, qk_init: str | None,
-                 causal: bool = False, layernorm: bool = True, bias: bool = True):
+    attn_options (qk_norm, temperature, qk_layout) go to StiefelAttention unchanged.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, d_mlp: int, qk: str = "stiefel",
+                 qk_init: str | None = None, causal: bool = False, layernorm: bool = True, bias: bool = True,
+                 **attn_options):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model) if layernorm else nn.Identity()
-        self.attn = StiefelAttention(d_model, n_heads, head_dim, qk=qk, qk_init=qk_init, causal=causal, bias=bias)
+        self.attn = StiefelAttention(d_model, n_heads, head_dim, qk=qk, qk_init=qk_init, causal=causal, bias=bias,
+                                     **attn_options)
         self.ln2 = nn.LayerNorm(d_model) if layernorm else nn.Identity()
         self.mlp = nn.Sequential(nn.Linear(d_model, d_mlp, bias=bias), nn.GELU() if layernorm else nn.ReLU(),
                                  nn.Linear(d_mlp, d_model, bias=bias))
@@ -145,6 +262,7 @@ class PatchViT(nn.Module):
         mlp_ratio: int = 2,
         qk: str = "stiefel",
         qk_init: str | None = None,
+        **attn_options,
     ):
         super().__init__()
         if image_size % patch_size:
@@ -153,7 +271,8 @@ class PatchViT(nn.Module):
         self.patchify = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size)
         self.pos = nn.Parameter(torch.randn(1, n_patches, d_model) * 0.02)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, head_dim, mlp_ratio * d_model, qk=qk, qk_init=qk_init) for _ in range(depth)
+            Block(d_model, n_heads, head_dim, mlp_ratio * d_model, qk=qk, qk_init=qk_init, **attn_options)
+            for _ in range(depth)
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, num_classes)
@@ -184,13 +303,15 @@ class ModularTransformer(nn.Module):
         layernorm: bool = False,
         qk: str = "stiefel",
         qk_init: str | None = None,
+        **attn_options,
     ):
         super().__init__()
         self.p = p
         self.embed = nn.Embedding(p + 1, d_model)  # residues 0..p-1 and "=" (token p)
         self.pos = nn.Parameter(torch.randn(3, d_model) / math.sqrt(d_model))
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, head_dim, d_mlp, qk=qk, qk_init=qk_init, causal=True, layernorm=layernorm, bias=False)
+            Block(d_model, n_heads, head_dim, d_mlp, qk=qk, qk_init=qk_init, causal=True, layernorm=layernorm,
+                  bias=False, **attn_options)
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model) if layernorm else nn.Identity()
@@ -239,3 +360,18 @@ def qk_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         for name, module in _attention_modules(model)
         for pname, p in module.frame_parameters()
     ]
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def qk_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(qualified name, parameter) of the tensors behind every W_Q, W_K that an optimizer would step."""
+    return [(_qualified(name, pname), p) for name, module in _attention_modules(model) for pname, p in module.qk_parameters()]
+
+
+def routing_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """qk_parameters plus the query-key options' gains and log-temperatures: what arms of an experiment differ in."""
+    return [(_qualified(name, pname), p) for name, module in _attention_modules(model)
+            for pname, p in module.routing_parameters()]

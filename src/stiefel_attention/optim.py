@@ -1,4 +1,4 @@
-"""Riemannian optimizers for frames on St(d, r), and `build_optimizer` for whole models.
+"""Riemannian optimizers for frames on St(d, r), with AdamW for every other parameter.
 
 The update, per frame W (d x r) at step t (StiefelAdam):
 
@@ -15,6 +15,13 @@ P_W(g) = g, this is exactly "transport m by projection after every retraction", 
 cheaper. Scaling every gradient by c > 0 scales m and sqrt(v) by c, so xi does not change (as
 eps -> 0): the step is scale free. StiefelSGD uses xi = -lr * m instead, degree one in the gradient.
 
+One optimizer, two rules. `StiefelAdam` and `StiefelSGD` are torch Optimizers whose param groups
+say which rule applies: a group with `stiefel=True` (the default for bare tensors) holds frames
+and gets the Riemannian rule; a group with `stiefel=False` gets AdamW, by torch's own functional
+`torch.optim.adamw.adamw` with that group's lr, betas, eps, weight_decay and foreach/fused flags.
+`param_groups(model, ...)` builds the groups of a whole model. State, `state_dict`, LR schedulers,
+hooks and `zero_grad` are torch's.
+
 As in torch.optim, thin stateful classes call pure functions on lists of tensors, with two paths
 that the tests hold to each other:
 - `_single_tensor_*` (reference): the rule exactly as written above, frame by frame through
@@ -26,53 +33,66 @@ that the tests hold to each other:
       Gram(W + xi),  W' = (W + xi) Gram^(-1/2),
   with ||g||_F^2 = ||G||_F^2 - ||sym(A)||_F^2 (P_W is an orthogonal projection) instead of
   forming g (exact algebra; in float32 it loses relative accuracy only when a gradient is almost
-  entirely normal, and then only in the scale v); the inverse square root is a truncated
-  binomial series or a Newton-Schulz iteration whose length follows from a bound on the step,
-  with eigh only as a fallback; one workspace per parameter replaces d-sized temporaries. The weight-decay term is dropped analytically there, because
-  P_W(W) = W (I - W^T W) = 0 on St(d, r); the reference path adds it literally, and the tests
-  check that both give the same trajectory, with and without decay.
+  entirely normal, and then only in the scale v); the inverse square root is
+  `manifold.inv_sqrt_gram`, whose cost follows from a bound on the step; one workspace per
+  parameter replaces d-sized temporaries. The weight-decay term is dropped analytically there,
+  because P_W(W) = W (I - W^T W) = 0 on St(d, r); the reference path adds it literally, and the
+  tests check that both give the same trajectory, with and without decay.
 
 The Gram matrix is always formed from W + xi itself (never assumed to be I + xi^T xi), so the
 retraction also removes whatever round-off the frame carried: errors do not accumulate.
 
-Non-finite gradients: the step is refused with `NonFiniteGradientError` before any frame or
-optimizer state is written (all gradient norms are computed and checked first), so a caller can
-catch it, skip the batch and carry on. `torch.amp.GradScaler` never calls `step` with
-non-finite gradients, so it composes with this.
+Non-finite gradients, `nonfinite=`:
+- "raise" (default): the step is refused with `NonFiniteGradientError` before any parameter or
+  state is written, so a caller can catch it, skip the batch and carry on. Raising needs one
+  device-to-host synchronisation per step (a single check over every gradient); this mode also
+  reads the largest actual step back to pick the cheapest exact inverse root.
+- "skip": frames whose gradient is not finite are left as they were, with their moments, by
+  masks on the device (GradScaler-style); the other frames step. With `max_step` set, the frame
+  step then performs no device-to-host synchronisation at all: bias corrections are computed on
+  the device and the inverse root's degree follows from max_step on the host, so the step can be
+  captured in a CUDA graph or compiled whole. The step count used for the bias correction is
+  kept per tensor, as in torch's Adam, and advances with its tensor even for a skipped frame.
+  AdamW groups: with `fused=True` a group whose gradients are not all finite is skipped on the
+  device (found_inf, as GradScaler does); otherwise that check costs one synchronisation.
+`torch.amp.GradScaler` never calls `step` with non-finite gradients, so it composes with both.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.adamw import adamw as _torch_adamw
 
-from .manifold import check_frames, inv_sqrt_spd, isometry_error, polar_retract, project_tangent, sym
+from .manifold import check_frames, inv_sqrt_gram, isometry_error, polar_retract, project_tangent, sym
 
 __all__ = [
     "NonFiniteGradientError",
     "StiefelAdam",
     "StiefelSGD",
-    "MixedOptimizer",
-    "ARMS",
-    "ArmSpec",
-    "arm_spec",
-    "build_optimizer",
+    "param_groups",
     "stiefel_adam",
     "stiefel_sgd",
-    "inv_sqrt_gram",
-    "newton_schulz_iterations",
-    "binomial_series_terms",
-    "refuse_non_finite_grads",
 ]
+
+NONFINITE_MODES = ("raise", "skip")
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A frame's gradient had a NaN or inf entry; the step was refused and nothing was changed."""
+    """A gradient had a NaN or inf entry; the step was refused and nothing was changed."""
+
+
+def _non_finite_error(where: Sequence[str]) -> NonFiniteGradientError:
+    """The one message for a refused step, naming the offending parameters."""
+    return NonFiniteGradientError(
+        f"non-finite gradient (NaN or inf) in {', '.join(where)}; the step was refused and no parameter "
+        "or optimizer state was changed. Lower the learning rate, use a GradScaler, pass nonfinite='skip', "
+        "or catch NonFiniteGradientError to skip the batch."
+    )
 
 
 # How far from orthonormal a starting frame may be. The check catches frames that were never
@@ -85,7 +105,8 @@ def _check_start(p: Tensor, where: str) -> None:
     try:
         check_frames(p, name=where)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"{err}. Stiefel optimizers take frame tensors of shape (..., d, r).") from None
+        raise ValueError(f"{err}. Frame groups take tensors of shape (..., d, r); put other parameters in a "
+                         "group with stiefel=False (param_groups(model) does this).") from None
     if p.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"{where} has dtype {p.dtype}; Stiefel optimizers keep frames in float32 or float64 "
@@ -98,99 +119,49 @@ def _check_start(p: Tensor, where: str) -> None:
         raise ValueError(
             f"{where} is not on the Stiefel manifold: max ||W^T W - I||_F = {err:.3g} > {tol:g}. "
             "Start from orthonormal frames, e.g. stiefel_attention.manifold.random_frame(...) or "
-            "polar_retract(W, torch.zeros_like(W)) to project an existing matrix."
+            "polar_retract(W, torch.zeros_like(W)) to project an existing matrix; a parameter that is "
+            "not a frame belongs in a group with stiefel=False."
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# r x r inverse square root of a Gram matrix with a known spectral bound
-# ---------------------------------------------------------------------------------------------
+def param_groups(
+    model: nn.Module,
+    weight_decay: float = 0.0,
+    *,
+    frame_lr: float | None = None,
+    no_decay: Iterable[Tensor] = (),
+    **frame_options: Any,
+) -> list[dict[str, Any]]:
+    """Param groups for a whole model: its frames get the Riemannian rule, the rest AdamW.
 
+    nanoGPT's decay rule for the rest: tensors with two or more dimensions (matrices, embeddings,
+    convolution kernels) decay by `weight_decay`; biases and norm gains do not; tensors listed
+    in `no_decay` do not either. Frames (`stiefel_attention.nn.frames(model)`: W_Q, W_K of every
+    StiefelAttention with qk="stiefel") form one group with `stiefel=True`, `lr=frame_lr` when given
+    and any other frame hyper-parameter (eps, max_step, ...) from `frame_options`; decay is exempt
+    there because it has no effect on a frame (Proposition 5). Parameters that do not require a
+    gradient are left out. Empty groups are dropped. So
 
-def newton_schulz_iterations(lo: float, hi: float, dtype: torch.dtype, max_iters: int = 30) -> int | None:
-    """Iterations of coupled Newton-Schulz that bring every eigenvalue in [lo, hi] to round-off.
+        StiefelAdam(param_groups(model, weight_decay=0.1, frame_lr=1e-2), lr=1e-3, max_step=0.1)
 
-    After scaling A by mu = (lo + hi) / 2, all iterates are polynomials in A, so each eigenvalue
-    lambda evolves independently through z -> z (3 - z)^2 / 4 with z_0 = lambda / mu, and
-    z -> 1 means the iterate has converged to (A / mu)^(-1/2) on that eigenvector. After the
-    first step every z is <= 1, where the map is increasing, so tracking the two endpoints of
-    the interval bounds every eigenvalue in it. Returns None if it does not converge within
-    max_iters (the caller then uses an eigendecomposition).
+    trains a model with AdamW everywhere except its frames.
     """
-    if not (0.0 < lo <= hi) or not math.isfinite(hi):
-        return None
-    tol = 4.0 * torch.finfo(dtype).eps
-    mu = 0.5 * (lo + hi)
-    zs = (lo / mu, hi / mu)
-    if max(zs) >= 3.0:
-        return None
-    for k in range(1, max_iters + 1):
-        zs = tuple(z * (3.0 - z) ** 2 / 4.0 for z in zs)
-        if max(abs(1.0 - z) for z in zs) <= tol:
-            return k + 1  # one more step absorbs the round-off of the iteration itself
-    return None
+    from .nn import frames  # nn builds on optim's siblings; only this helper needs models
 
-
-def binomial_series_terms(rho: float, dtype: torch.dtype, max_terms: int = 12) -> int | None:
-    """Degree K at which the series of (I + E)^(-1/2) is exact to round-off when ||E||_2 <= rho.
-
-    (1 + x)^(-1/2) = sum_k c_k x^k with |c_k| <= 1, so the tail after degree K is at most
-    rho^(K+1) / (1 - rho). Returns None if more than max_terms would be needed.
-    """
-    if not 0.0 <= rho < 1.0:
-        return None
-    tol = 4.0 * torch.finfo(dtype).eps
-    for K in range(1, max_terms + 1):
-        if rho ** (K + 1) / (1.0 - rho) <= tol:
-            return K
-    return None
-
-
-def inv_sqrt_gram(gram: Tensor, lo: float, hi: float) -> Tensor:
-    """gram^(-1/2) for SPD (n, r, r) matrices whose eigenvalues all lie in [lo, hi].
-
-    The Gram matrix of W + xi for a tangent step is I + xi^T xi, with spectrum in
-    [1, 1 + ||xi||^2] up to round-off. Three exact methods, cheapest first:
-    - steps of a few percent (the usual case): the binomial series of (I + E)^(-1/2) in E = gram - I,
-      by Horner's rule, truncated where the bound on ||E|| puts the tail below round-off
-      (K - 1 r x r products for degree K: 2 for ||xi|| <= 0.1 in float32);
-    - larger steps: coupled Newton-Schulz (Y -> (A/mu)^(1/2), Z -> (A/mu)^(-1/2)), its
-      iteration count derived from [lo, hi] (see `newton_schulz_iterations`);
-    - otherwise, or for a bound too wide to trust: eigendecomposition.
-    Each is several times cheaper than the next for r of a few dozen.
-    """
-    rho = max(1.0 - lo, hi - 1.0)
-    degree = binomial_series_terms(rho, gram.dtype)
-    if degree is not None:
-        coefs = [1.0]
-        for k in range(1, degree + 1):  # c_k = binom(-1/2, k)
-            coefs.append(coefs[-1] * -(2 * k - 1) / (2 * k))
-        E = gram.clone()
-        E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
-        P = E * coefs[degree]
-        P.diagonal(dim1=-2, dim2=-1).add_(coefs[degree - 1])
-        for c in reversed(coefs[: degree - 1]):
-            P = torch.bmm(P, E)
-            P.diagonal(dim1=-2, dim2=-1).add_(c)
-        return P
-    iters = newton_schulz_iterations(lo, hi, gram.dtype, max_iters=12)
-    if iters is None:
-        return inv_sqrt_spd(gram)
-    mu = 0.5 * (lo + hi)
-
-    def half_three_minus(X: Tensor) -> Tensor:  # (3 I - X) / 2, in place on X
-        X.mul_(-0.5).diagonal(dim1=-2, dim2=-1).add_(1.5)
-        return X
-
-    Y = gram * (1.0 / mu)
-    Z = half_three_minus(Y.clone())  # first step from Z = I: T = (3I - Y)/2, so Z = T
-    Y = torch.bmm(Y, Z)  # and Y = Y T
-    for k in range(1, iters):
-        T = half_three_minus(torch.bmm(Z, Y))
-        Z = torch.bmm(T, Z)
-        if k < iters - 1:  # the last Y is never used
-            Y = torch.bmm(Y, T)
-    return Z.mul_(1.0 / math.sqrt(mu))
+    frame_list = [p for _, p in frames(model)]
+    frame_ids = {id(p) for p in frame_list}
+    exempt = {id(p) for p in no_decay}
+    decay, plain = [], []
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in frame_ids:
+            continue
+        (decay if p.dim() >= 2 and id(p) not in exempt else plain).append(p)
+    frame_group: dict[str, Any] = {"params": frame_list, "stiefel": True, **frame_options}
+    if frame_lr is not None:
+        frame_group["lr"] = frame_lr
+    groups = [{"params": decay, "weight_decay": weight_decay, "stiefel": False},
+              {"params": plain, "weight_decay": 0.0, "stiefel": False}, frame_group]
+    return [g for g in groups if g["params"]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,14 +171,6 @@ def inv_sqrt_gram(gram: Tensor, lo: float, hi: float) -> Tensor:
 
 def _bias_corrections(step: float, beta1: float, beta2: float) -> tuple[float, float]:
     return 1.0 - beta1**step, 1.0 - beta2**step
-
-
-def _raise_non_finite(bad: Sequence[int]) -> None:
-    raise NonFiniteGradientError(
-        f"non-finite gradient (NaN or inf) in frame parameter(s) {list(bad)} of this group; the step "
-        "was refused and no frame or optimizer state was changed. Lower the learning rate, use a "
-        "GradScaler, or catch NonFiniteGradientError to skip the batch."
-    )
 
 
 def _frames_view(t: Tensor) -> Tensor:
@@ -221,6 +184,12 @@ def _cap(xi: Tensor, max_step: float | None) -> Tensor:
         return xi
     norm = torch.linalg.matrix_norm(xi, keepdim=True)  # (..., 1, 1)
     return xi * (max_step / norm.clamp_min(torch.finfo(xi.dtype).tiny)).clamp(max=1.0)
+
+
+def _keep_where(keep: Tensor | None, new: Tensor, old: Tensor) -> None:
+    """new <- old where keep is False; keep (on the device) has new's leading (batch) shape."""
+    if keep is not None:
+        new.copy_(torch.where(keep.view(keep.shape + (1,) * (new.dim() - keep.dim())), new, old))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +215,7 @@ def stiefel_adam(
     second_moment: str = "frame",
     batched: bool | None = None,
     precomputed: tuple[list[Tensor], list[Tensor]] | None = None,
+    keep: list[Tensor] | None = None,
 ) -> None:
     """One StiefelAdam step on lists of frame tensors, in place.
 
@@ -254,13 +224,16 @@ def stiefel_adam(
     the paper's rule (projector on, one scalar per frame, contiguous frames); the ablations
     always take the single-tensor path. `precomputed` = (W^T G, ||P_W G||^2) per tensor, as
     returned by `_batched_tangent_sq_norms`, lets a caller check several batches before writing.
+    `keep` (one bool tensor of shape (n_frames,) per parameter) selects the skip mode: frames
+    marked False keep their value and moments, and the batched path runs without host syncs when
+    max_step is set. Without `keep`, a non-finite gradient raises NonFiniteGradientError.
     """
     fast_ok = projector and second_moment == "frame" and all(p.is_contiguous() for p in params)
     if batched is None:
         batched = fast_ok
     if batched and not fast_ok:
         raise ValueError("the batched path needs projector=True, second_moment='frame' and contiguous frames")
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, max_step=max_step, weight_decay=weight_decay)
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, max_step=max_step, weight_decay=weight_decay, keep=keep)
     if batched:
         _batched_stiefel_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, precomputed=precomputed, **kw)
     else:
@@ -269,22 +242,30 @@ def stiefel_adam(
         )
 
 
-def _single_tensor_stiefel_adam(
-    params, grads, exp_avgs, exp_avg_sqs, state_steps, *,
-    lr, beta1, beta2, eps, max_step, weight_decay, projector, second_moment,
-) -> None:
-    # Phase 1: every tangent gradient, then one finiteness check, so a refused step changes nothing.
+def _tangent_or_refuse(params, grads, weight_decay: float, projector: bool, keep) -> list[Tensor]:
+    """Reference path, phase 1: every (projected) gradient; refuse before writing unless skipping."""
     tangent = []
     for W, G in zip(params, grads):
         if weight_decay != 0.0:
             G = G + weight_decay * W
         tangent.append(project_tangent(W, G) if projector else G)
-    bad = [i for i, g in enumerate(tangent) if not bool(torch.isfinite(g).all())]
-    if bad:
-        _raise_non_finite(bad)
+    if keep is None:
+        bad = [f"frame parameter {i} of this group" for i, g in enumerate(tangent) if not bool(torch.isfinite(g).all())]
+        if bad:
+            raise _non_finite_error(bad)
+    return tangent
 
-    # Phase 2: moments, step, retraction.
-    for W, g, m, v, step_t in zip(params, tangent, exp_avgs, exp_avg_sqs, state_steps):
+
+def _single_tensor_stiefel_adam(
+    params, grads, exp_avgs, exp_avg_sqs, state_steps, *,
+    lr, beta1, beta2, eps, max_step, weight_decay, projector, second_moment, keep,
+) -> None:
+    tangent = _tangent_or_refuse(params, grads, weight_decay, projector, keep)
+    for i, (W, g, m, v, step_t) in enumerate(zip(params, tangent, exp_avgs, exp_avg_sqs, state_steps)):
+        k = None if keep is None else keep[i].view(W.shape[:-2])
+        old = None if k is None else (W.clone(), m.clone(), v.clone())
+        if k is not None:
+            g = torch.where(k[..., None, None], g, torch.zeros_like(g))
         step_t += 1
         bc1, bc2 = _bias_corrections(float(step_t), beta1, beta2)
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
@@ -298,14 +279,17 @@ def _single_tensor_stiefel_adam(
             denom = (v / bc2).sqrt().add_(eps).clamp_min_(torch.finfo(v.dtype).tiny)  # (..., d, r)
         xi = _cap(-lr * (m / bc1) / denom, max_step)
         W.copy_(polar_retract(W, xi))
+        if old is not None:
+            for new, before in zip((W, m, v), old):
+                _keep_where(k, new, before)
 
 
-def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor], check: bool = True) -> tuple[list[Tensor], list[Tensor]]:
+def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     """Per parameter: A = W^T G, shape (n, r, r), and ||P_W(G)||_F^2 per frame, shape (n,).
 
     ||P_W G||^2 = ||G||^2 - ||sym(W^T G)||^2 because P_W is the orthogonal projection whose
-    complement is G -> W sym(W^T G). Raises NonFiniteGradientError (before anything is written)
-    if a norm is not finite: a NaN or inf anywhere in a frame's gradient reaches that norm.
+    complement is G -> W sym(W^T G). A NaN or inf anywhere in a frame's gradient makes its norm
+    non-finite, so the norms double as the finiteness check (the caller's).
     """
     As, sq_norms = [], []
     for W, G in zip(params, grads):
@@ -315,10 +299,6 @@ def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor], check: 
         sq = torch.linalg.vector_norm(G3, dim=(-2, -1)).square() - torch.linalg.matrix_norm(sym(A)).square()
         As.append(A)
         sq_norms.append(sq.clamp_min_(0.0))  # round-off can push an all-normal gradient below 0
-    if check:
-        finite = torch.stack([torch.isfinite(sq).all() for sq in sq_norms])
-        if not bool(finite.all()):
-            _raise_non_finite(torch.nonzero(~finite).flatten().tolist())
     return As, sq_norms
 
 
@@ -336,37 +316,55 @@ def _batched_moment_update(W: Tensor, G: Tensor, m: Tensor, A: Tensor, beta: flo
 
 def _batched_stiefel_adam(
     params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, *,
-    lr, beta1, beta2, eps, max_step, weight_decay, precomputed=None,
+    lr, beta1, beta2, eps, max_step, weight_decay, precomputed=None, keep=None,
 ) -> None:
     # weight_decay is not used here: P_W(weight_decay * W) = 0 on St(d, r) (see module docstring).
     if not params:
         return
     if workspaces is None:
         workspaces = [torch.empty_like(p) for p in params]
-    As, sq_norms = precomputed if precomputed is not None else _batched_tangent_sq_norms(params, grads)
+    if precomputed is None:
+        precomputed = _batched_tangent_sq_norms(params, grads)
+        if keep is None:
+            _refuse_if_non_finite(precomputed[1], [f"frame parameter {i} of this group" for i in range(len(params))])
+    As, sq_norms = precomputed
     coefs = []  # per frame: xi = -coef * m
-    for W, G, m, v, step_t, A, sq in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms):
+    for i, (W, G, m, v, step_t, A, sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms)):
+        tiny = torch.finfo(v.dtype).tiny
+        old = None if keep is None else (m.clone(), v.clone())
         step_t += 1
-        bc1, bc2 = _bias_corrections(float(step_t), beta1, beta2)
         _batched_moment_update(W, G, m, A, beta1, 1.0 - beta1)
         v.mul_(beta2).add_(sq.view_as(v), alpha=1.0 - beta2)
-        # clamp: with eps = 0 and an all-zero gradient history, m = 0 too and the step is 0, not 0/0
-        coefs.append((lr / bc1) / (v.reshape(-1) / bc2).sqrt().add_(eps).clamp_min_(torch.finfo(v.dtype).tiny))  # (n,)
-    _batched_retract(params, exp_avgs, coefs, workspaces, max_step)
+        if keep is None:  # host bias corrections (the step count is read back: one sync per tensor)
+            bc1, bc2 = _bias_corrections(float(step_t), beta1, beta2)
+            # clamp: with eps = 0 and an all-zero gradient history, m = 0 too and the step is 0, not 0/0
+            coefs.append((lr / bc1) / (v.reshape(-1) / bc2).sqrt().add_(eps).clamp_min_(tiny))  # (n,)
+            continue
+        # skip mode: everything on the device; skipped frames get their moments back and a zero step
+        _keep_where(keep[i], _frames_view(m), _frames_view(old[0]))
+        _keep_where(keep[i], v.view(-1), old[1].view(-1))
+        bc1 = 1.0 - torch.pow(beta1, step_t)
+        bc2 = 1.0 - torch.pow(beta2, step_t)
+        coef = (lr / bc1) / (v.reshape(-1) / bc2).sqrt().add_(eps).clamp_min_(tiny)
+        coefs.append(torch.where(keep[i], coef, torch.zeros_like(coef)))
+    _batched_retract(params, exp_avgs, coefs, workspaces, max_step, keep)
 
 
 def _batched_retract(
     params: list[Tensor], directions: list[Tensor], coefs: list[Tensor], workspaces: list[Tensor],
-    max_step: float | None,
+    max_step: float | None, keep: list[Tensor] | None = None,
 ) -> None:
     """W <- polar(W - c * direction) for every frame, c per frame after the trust region.
 
     The r x r inverse square roots of all frames of this shape are computed in one batch. For
     W orthonormal and xi tangent, Gram(W + xi) = I + xi^T xi has eigenvalues in
-    [1, 1 + ||xi||_F^2]; the margin covers round-off in W and in xi's tangency.
+    [1, 1 + ||xi||_F^2]; the margin covers round-off in W and in xi's tangency. Without `keep`
+    the bound is the largest actual step, read back from the device (often well below max_step,
+    which allows a cheaper series); with `keep` it is max_step itself (no sync), and frames
+    marked False are left exactly as they were.
     """
     grams, step_norms = [], []
-    for W, D, c, buf in zip(params, directions, coefs, workspaces):
+    for i, (W, D, c, buf) in enumerate(zip(params, directions, coefs, workspaces)):
         D3 = _frames_view(D)
         step_norm = c * torch.linalg.vector_norm(D3, dim=(-2, -1))  # (n,) = ||xi||_F before the cap
         if max_step is not None:
@@ -375,14 +373,29 @@ def _batched_retract(
         step_norms.append(step_norm.max())
         Y = _frames_view(buf)
         torch.addcmul(_frames_view(W), D3, c.view(-1, 1, 1), value=-1.0, out=Y)  # Y = W + xi
+        if keep is not None:
+            _keep_where(keep[i], Y, _frames_view(W))  # a skipped frame's direction may hold NaN
         grams.append(torch.bmm(Y.mT, Y))  # (n, r, r)
-    # The largest actual step (<= max_step) sets how much r x r work the inverse root needs.
-    step_bound = float(torch.stack(step_norms).max())
+    if keep is not None and max_step is not None:
+        step_bound = max_step
+    else:  # the largest actual step (<= max_step) sets how much r x r work the inverse root needs
+        step_bound = float(torch.stack(step_norms).max())
     # ||W^T W - I|| stays ~1e-6 in float32 (the retraction corrects it every step): 100x headroom.
     margin = 1e-8 if params[0].dtype == torch.float64 else 1e-4
     inv_roots = inv_sqrt_gram(torch.cat(grams), 1.0 - margin, 1.0 + step_bound**2 + margin)
-    for W, buf, M in zip(params, workspaces, inv_roots.split([g.shape[0] for g in grams])):
+    for i, (W, buf, M) in enumerate(zip(params, workspaces, inv_roots.split([g.shape[0] for g in grams]))):
         torch.bmm(_frames_view(buf), M, out=_frames_view(W))  # W' = Y (Y^T Y)^(-1/2)
+        if keep is not None:
+            _keep_where(keep[i], _frames_view(W), _frames_view(buf))  # Y = W exactly where skipped
+
+
+def _refuse_if_non_finite(values: list[Tensor], names: Sequence[str]) -> None:
+    """One host sync: raise NonFiniteGradientError naming every entry of `values` that is not all finite."""
+    if not values:
+        return
+    ok = torch.stack([torch.isfinite(x).all() for x in values])
+    if not bool(ok.all()):
+        raise _non_finite_error([names[i] for i in torch.nonzero(~ok).flatten().tolist()])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,29 +415,42 @@ def stiefel_sgd(
     weight_decay: float,
     batched: bool | None = None,
     precomputed: tuple[list[Tensor], list[Tensor]] | None = None,
+    keep: list[Tensor] | None = None,
 ) -> None:
-    """One fixed-step Riemannian SGD step: xi = -lr * m, m = P_W(momentum * m + grad)."""
+    """One fixed-step Riemannian SGD step: xi = -lr * m, m = P_W(momentum * m + grad). `keep` as in stiefel_adam."""
     if not params:
         return
     if batched is None:
         batched = all(p.is_contiguous() for p in params)
     if not batched:
-        tangent = [project_tangent(W, G + weight_decay * W if weight_decay else G) for W, G in zip(params, grads)]
-        bad = [i for i, g in enumerate(tangent) if not bool(torch.isfinite(g).all())]
-        if bad:
-            _raise_non_finite(bad)
-        for W, g, buf in zip(params, tangent, momentum_buffers):
+        tangent = _tangent_or_refuse(params, grads, weight_decay, True, keep)
+        for i, (W, g, buf) in enumerate(zip(params, tangent, momentum_buffers)):
+            k = None if keep is None else keep[i].view(W.shape[:-2])
+            old = None if k is None else (W.clone(), None if buf is None else buf.clone())
+            if k is not None:
+                g = torch.where(k[..., None, None], g, torch.zeros_like(g))
             if momentum != 0.0:
                 buf.mul_(momentum).add_(g).copy_(project_tangent(W, buf))
                 g = buf
             W.copy_(polar_retract(W, _cap(-lr * g, max_step)))
+            if old is not None:
+                _keep_where(k, W, old[0])
+                if buf is not None:
+                    _keep_where(k, buf, old[1])
         return
     if workspaces is None:
         workspaces = [torch.empty_like(p) for p in params]
-    As, _ = precomputed if precomputed is not None else _batched_tangent_sq_norms(params, grads)  # norms: finiteness check
+    if precomputed is None:
+        precomputed = _batched_tangent_sq_norms(params, grads)  # the norms: finiteness check only
+        if keep is None:
+            _refuse_if_non_finite(precomputed[1], [f"frame parameter {i} of this group" for i in range(len(params))])
+    As = precomputed[0]
     if momentum != 0.0:
-        for W, G, buf, A in zip(params, grads, momentum_buffers, As):
+        for i, (W, G, buf, A) in enumerate(zip(params, grads, momentum_buffers, As)):
+            old = None if keep is None else buf.clone()
             _batched_moment_update(W, G, buf, A, momentum, 1.0)
+            if keep is not None:
+                _keep_where(keep[i], _frames_view(buf), _frames_view(old))
         directions = momentum_buffers
     else:
         # The direction is g itself, held in the workspace; the retraction then overwrites it
@@ -433,57 +459,59 @@ def stiefel_sgd(
             torch.baddbmm(G.reshape(_frames_view(W).shape), _frames_view(W), sym(A), alpha=-1.0, out=_frames_view(buf))
         directions = workspaces
     coefs = [torch.full((_frames_view(W).shape[0],), lr, dtype=W.dtype, device=W.device) for W in params]
-    _batched_retract(params, directions, coefs, workspaces, max_step)
+    _batched_retract(params, directions, coefs, workspaces, max_step, keep)
 
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer classes
 # ---------------------------------------------------------------------------------------------
 
-
-def _non_finite_error(names: list[str]) -> NonFiniteGradientError:
-    return NonFiniteGradientError(
-        f"non-finite gradient (NaN or inf) in {', '.join(names)}; the step was refused and no parameter "
-        "or optimizer state was changed. Lower the learning rate, use a GradScaler, or catch "
-        "NonFiniteGradientError to skip the batch."
-    )
+# Every group, frame or not, carries these; the AdamW groups read them (torch's AdamW defaults).
+_ADAMW_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, foreach=None, fused=None, capturable=False)
 
 
-def refuse_non_finite_grads(param_groups: list[dict]) -> None:
-    """Raise NonFiniteGradientError, naming the parameters, if any gradient has a NaN or inf.
+def _check_common(lr: float, weight_decay: float, max_step: float | None, nonfinite: str) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"invalid learning rate: {lr}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"invalid weight_decay: {weight_decay}")
+    if max_step is not None and not max_step > 0.0:
+        raise ValueError(f"invalid max_step: {max_step}; use None for no trust region")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
 
-    Called before an optimizer writes anything, so a refused step leaves every parameter and
-    every state tensor as it was. One fused norm per group and one host sync: a non-finite
-    entry makes its tensor's norm non-finite.
+
+def _check_betas_eps(betas, eps) -> None:
+    if not eps >= 0.0:
+        raise ValueError(f"invalid eps: {eps}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"invalid betas: {betas}; both must lie in [0, 1)")
+
+
+class _RiemannianOptimizer(Optimizer):
+    """Shared plumbing: groups by rule, one finiteness check, AdamW groups, workspaces kept out of state.
+
+    Subclasses define `_frame_state(group, p, state)` (the per-parameter items after (p, grad))
+    and `_frame_step(group, lists, fast, precomputed, keep)`.
     """
-    bad = []
-    for gi, group in enumerate(param_groups):
-        with_grad = [(i, p.grad) for i, p in enumerate(group["params"]) if p.grad is not None]
-        if any(g.is_sparse for _, g in with_grad):
-            raise RuntimeError("sparse gradients are not supported (Stiefel optimizers and AdamW need dense ones)")
-        if not with_grad:
-            continue
-        norms = torch._foreach_norm([g for _, g in with_grad])
-        finite = torch.isfinite(torch.stack([n.float() for n in norms]))
-        if not bool(finite.all()):
-            bad += [f"param_groups[{gi}]['params'][{with_grad[k][0]}]" for k in torch.nonzero(~finite).flatten().tolist()]
-    if bad:
-        raise _non_finite_error(bad)
 
+    _n_frame_items: int  # items per frame parameter after (p, grad), as _frame_state returns them
 
-class _StiefelOptimizer(Optimizer):
-    """Shared plumbing: frame validation, the non-finite check, workspaces kept out of the state_dict."""
-
-    def __init__(self, params, defaults):
-        super().__init__(params, defaults)
+    def __init__(self, params, defaults: dict[str, Any], nonfinite: str):
+        self.nonfinite = nonfinite
+        super().__init__(params, {**_ADAMW_DEFAULTS, "stiefel": True, **defaults})
         # Scratch buffers, one per parameter: derived data, so never saved in state_dict.
         self._workspaces: dict[Tensor, Tensor] = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group_index = len(self.param_groups) - 1
-        for i, p in enumerate(self.param_groups[-1]["params"]):
-            _check_start(p.detach(), f"param_groups[{group_index}]['params'][{i}]")
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        _check_betas_eps(group["betas"], group["eps"])
+        if not group["stiefel"]:
+            return
+        for i, p in enumerate(group["params"]):
+            _check_start(p.detach(), f"param_groups[{gi}]['params'][{i}]")
 
     def _workspace(self, p: Tensor) -> Tensor:
         buf = self._workspaces.get(p)
@@ -495,78 +523,143 @@ class _StiefelOptimizer(Optimizer):
     @staticmethod
     def _grad_of(p: Tensor) -> Tensor:
         if p.grad.is_sparse:
-            raise RuntimeError("Stiefel optimizers do not support sparse gradients")
+            raise RuntimeError("sparse gradients are not supported (the Riemannian rule and AdamW here need dense ones)")
         return p.grad
 
-    def _batches(self, n_lists: int, fill) -> list[tuple[dict, list[list], list[str]]]:
-        """Group the parameters with gradients by frame shape, within each param group.
+    def _frame_batches(self) -> list[tuple[dict, list[list], list[str]]]:
+        """Frames with gradients grouped by shape within each frame group: (group, lists, names).
 
-        fill(group, p, state) -> the per-parameter items after (p, grad). Returns
-        (group, lists, names) per batch; lists[0] are the frames and lists[1] their gradients.
+        lists[0] are the frames, lists[1] their gradients, then the subclass's state items.
         """
         batches = []
         for gi, group in enumerate(self.param_groups):
+            if not group["stiefel"]:
+                continue
             per_key: dict[tuple, tuple[list[list], list[str]]] = {}
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 key = (p.shape[-2], p.shape[-1], p.dtype, p.device)  # frames of one shape: one batch
-                lists, names = per_key.setdefault(key, ([[] for _ in range(n_lists)], []))
-                for lst, item in zip(lists, (p, self._grad_of(p), *fill(group, p, self.state[p]))):
+                lists, names = per_key.setdefault(key, ([[] for _ in range(2 + self._n_frame_items)], []))
+                for lst, item in zip(lists, (p, self._grad_of(p), *self._frame_state(group, p, self.state[p]))):
                     lst.append(item)
                 names.append(f"param_groups[{gi}]['params'][{i}]")
             batches += [(group, lists, names) for lists, names in per_key.values()]
         return batches
 
-    @staticmethod
-    def _check_all(batches: list, fast: list[bool]) -> list:
-        """Tangent quantities of every fast batch and one finiteness check over ALL batches.
+    def _adamw_groups(self) -> list[tuple[dict, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[str]]]:
+        """AdamW groups with their torch-layout state: (group, params, grads, exp_avgs, exp_avg_sqs, steps, names)."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            if group["stiefel"]:
+                continue
+            lists: tuple[list, ...] = ([], [], [], [], [], [])
+            on_device = group["fused"] or group["capturable"]
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:  # as torch.optim.AdamW lays it out
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                                     else torch.tensor(0.0, dtype=torch.float32))
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                for lst, item in zip(lists, (p, self._grad_of(p), state["exp_avg"], state["exp_avg_sq"], state["step"],
+                                             f"param_groups[{gi}]['params'][{i}]")):
+                    lst.append(item)
+            if lists[0]:
+                out.append((group, *lists))
+        return out
 
-        Nothing is written before every gradient of every group and shape has been checked, so
-        a refused step leaves frames and state exactly as they were.
-        """
-        pre, finite, names = [], [], []
-        for (group, lists, batch_names), is_fast in zip(batches, fast):
-            params, grads = lists[0], lists[1]
-            if is_fast:
-                As, sq = _batched_tangent_sq_norms(params, grads, check=False)
-                pre.append((As, sq))
-                finite += [torch.isfinite(x).all() for x in sq]
-            else:
-                pre.append(None)
-                finite += [torch.isfinite(g).all() for g in grads]
-            names += batch_names
-        if finite:
-            ok = torch.stack(finite)
-            if not bool(ok.all()):
-                raise _non_finite_error([names[i] for i in torch.nonzero(~ok).flatten().tolist()])
-        return pre
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        frame_batches = self._frame_batches()
+        adamw_groups = self._adamw_groups()
+        fast = [self._fast(group, lists) for group, lists, _ in frame_batches]
+        pre = [_batched_tangent_sq_norms(lists[0], lists[1]) if is_fast else None
+               for (_, lists, _), is_fast in zip(frame_batches, fast)]
+        # A NaN or inf anywhere in a frame's gradient reaches its tangent norm (fast path).
+        keeps: list[list[Tensor] | None] = [None] * len(frame_batches)
+        if self.nonfinite == "raise":
+            values, names = [], []
+            for (_, lists, batch_names), p in zip(frame_batches, pre):
+                values += p[1] if p is not None else lists[1]
+                names += batch_names
+            for group, params, grads, *_, group_names in adamw_groups:
+                values += grads
+                names += group_names
+            _refuse_if_non_finite(values, names)
+        else:
+            keeps = [[sq.isfinite() for sq in p[1]] if p is not None
+                     else [g.isfinite().all(dim=(-2, -1)).reshape(-1) for g in lists[1]]
+                     for (_, lists, _), p in zip(frame_batches, pre)]
+        for (group, lists, _), is_fast, p, keep in zip(frame_batches, fast, pre, keeps):
+            self._frame_step(group, lists, is_fast, p, keep)
+        for group, params, grads, exp_avgs, exp_avg_sqs, steps, _ in adamw_groups:
+            self._adamw_step(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+        return loss
+
+    def _adamw_step(self, group, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
+        """torch's functional AdamW on one group; in skip mode a group with a non-finite gradient is skipped."""
+        found_inf = None
+        if self.nonfinite == "skip":
+            bad = torch.stack([~g.isfinite().all() for g in grads]).any()
+            if group["fused"]:
+                found_inf = bad.to(torch.float32)  # the fused kernel skips the update on the device
+            elif bool(bad):
+                return
+        beta1, beta2 = group["betas"]
+        _torch_adamw(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], capturable=group["capturable"],
+            differentiable=False, fused=group["fused"], grad_scale=None, found_inf=found_inf, has_complex=False,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=False,
+        )
+
+    def _fast(self, group: dict, lists: list[list]) -> bool:
+        return group["batched"] is not False and all(p.is_contiguous() for p in lists[0])
+
+    def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
+        raise NotImplementedError
+
+    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+        raise NotImplementedError
 
 
-class StiefelAdam(_StiefelOptimizer):
-    """Riemannian Adam on St(d, r) with one scalar second moment per frame.
+class StiefelAdam(_RiemannianOptimizer):
+    """Riemannian Adam on St(d, r) with one scalar second moment per frame; AdamW on other groups.
 
     Args:
         params: frame tensors of shape (..., d, r), d >= r, each trailing (d, r) matrix with
-            orthonormal columns (checked at construction), or param-group dicts of them.
-        lr: step size. The step is scale free: each frame moves by about lr in Frobenius norm
-            per step, whatever the gradient's scale.
+            orthonormal columns (checked at construction), or param-group dicts; a group with
+            `stiefel=False` holds ordinary parameters and gets AdamW (see `param_groups`).
+        lr: step size. For frames the step is scale free: each frame moves by about lr in
+            Frobenius norm per step, whatever the gradient's scale.
         betas: decay rates of the first moment (a tangent matrix) and the second moment (a
-            scalar per frame).
-        eps: added to sqrt(v_hat); as eps grows the rule turns into SGD with step lr/eps.
+            scalar per frame); AdamW's betas in AdamW groups.
+        eps: added to sqrt(v_hat); as eps grows the frame rule turns into SGD with step lr/eps.
         max_step: trust region: each frame's step is rescaled to ||xi||_F <= max_step.
-        weight_decay: adds weight_decay * W to the gradient before the projection, as in SGD
-            or Adam. On St(d, r) this is an exact no-op: lambda W = W (lambda I) lies in the
-            normal space, so P_W removes it (Proposition 5). It is accepted so that a model's
-            global decay setting can be passed through unchanged, and it is certified to have
-            no effect rather than silently dropped.
+        weight_decay: for frames, adds weight_decay * W to the gradient before the projection, an
+            exact no-op on St(d, r) (lambda W = W (lambda I) lies in the normal space, so P_W
+            removes it: Proposition 5); accepted so that a global decay setting passes through,
+            and certified to have no effect rather than silently dropped. AdamW's decoupled decay
+            in AdamW groups.
         projector: False is an ablation: the raw gradient is used (no tangent projection, no
             transport); the polar retraction still returns to the manifold.
         second_moment: "frame" (the rule) or "coordinate", an ablation with Adam's elementwise
             v, which breaks O(d)-equivariance.
         batched: None picks the fast batched path whenever it applies (projector on, frame
             second moment); False forces the frame-by-frame reference path.
+        nonfinite: "raise" or "skip" (see the module docstring); "skip" with max_step set gives a
+            frame step with no device-to-host synchronisation.
+        foreach, fused: passed to torch's AdamW for AdamW groups (None: torch's choice).
     """
+
+    _n_frame_items = 4
 
     def __init__(
         self,
@@ -579,62 +672,52 @@ class StiefelAdam(_StiefelOptimizer):
         projector: bool = True,
         second_moment: str = "frame",
         batched: bool | None = None,
+        *,
+        nonfinite: str = "raise",
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"invalid learning rate: {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"invalid eps: {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas: {betas}; both must lie in [0, 1)")
-        if max_step is not None and not max_step > 0.0:
-            raise ValueError(f"invalid max_step: {max_step}; use None for no trust region")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"invalid weight_decay: {weight_decay}")
+        _check_common(lr, weight_decay, max_step, nonfinite)
+        _check_betas_eps(betas, eps)
         if second_moment not in ("frame", "coordinate"):
             raise ValueError(f"second_moment must be 'frame' or 'coordinate', got {second_moment!r}")
         if batched and not (projector and second_moment == "frame"):
             raise ValueError("batched=True needs projector=True and second_moment='frame'; the ablations use the reference path")
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, max_step=max_step, weight_decay=weight_decay,
-            projector=projector, second_moment=second_moment, batched=batched,
+            projector=projector, second_moment=second_moment, batched=batched, foreach=foreach, fused=fused,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        def state_items(group, p, state):
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                v_shape = p.shape[:-2] if group["second_moment"] == "frame" else p.shape
-                state["exp_avg_sq"] = torch.zeros(v_shape, dtype=p.dtype, device=p.device)
-            return state["exp_avg"], state["exp_avg_sq"], state["step"], self._workspace(p)
+    def _fast(self, group: dict, lists: list[list]) -> bool:
+        return group["projector"] and group["second_moment"] == "frame" and super()._fast(group, lists)
 
-        batches = self._batches(6, state_items)
-        fast = [g["batched"] is not False and g["projector"] and g["second_moment"] == "frame"
-                and all(p.is_contiguous() for p in lists[0]) for g, lists, _ in batches]
-        precomputed = self._check_all(batches, fast)
-        for (group, lists, _), is_fast, pre in zip(batches, fast, precomputed):
-            beta1, beta2 = group["betas"]
-            stiefel_adam(
-                *lists, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                max_step=group["max_step"], weight_decay=group["weight_decay"],
-                projector=group["projector"], second_moment=group["second_moment"],
-                batched=is_fast, precomputed=pre,
-            )
-        return loss
+    def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            v_shape = p.shape[:-2] if group["second_moment"] == "frame" else p.shape
+            state["exp_avg_sq"] = torch.zeros(v_shape, dtype=p.dtype, device=p.device)
+        return state["exp_avg"], state["exp_avg_sq"], state["step"], self._workspace(p)
+
+    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+        beta1, beta2 = group["betas"]
+        stiefel_adam(
+            *lists, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], max_step=group["max_step"],
+            weight_decay=group["weight_decay"], projector=group["projector"], second_moment=group["second_moment"],
+            batched=fast, precomputed=precomputed, keep=keep,
+        )
 
 
-class StiefelSGD(_StiefelOptimizer):
+class StiefelSGD(_RiemannianOptimizer):
     """Fixed-step Riemannian SGD on St(d, r): xi = -lr * m, m the (transported) momentum of P_W(grad).
 
     Degree one in the gradient: scaling the loss by c scales every step by c. Weight decay is a
-    no-op on frames, as for StiefelAdam.
+    no-op on frames, as for StiefelAdam. Groups with `stiefel=False` get AdamW (betas, eps from
+    the group, torch's defaults otherwise), as in StiefelAdam.
     """
+
+    _n_frame_items = 2
 
     def __init__(
         self,
@@ -644,175 +727,27 @@ class StiefelSGD(_StiefelOptimizer):
         max_step: float | None = None,
         weight_decay: float = 0.0,
         batched: bool | None = None,
+        *,
+        nonfinite: str = "raise",
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"invalid learning rate: {lr}")
+        _check_common(lr, weight_decay, max_step, nonfinite)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"invalid momentum: {momentum}")
-        if max_step is not None and not max_step > 0.0:
-            raise ValueError(f"invalid max_step: {max_step}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"invalid weight_decay: {weight_decay}")
-        super().__init__(params, dict(lr=lr, momentum=momentum, max_step=max_step, weight_decay=weight_decay, batched=batched))
+        defaults = dict(lr=lr, momentum=momentum, max_step=max_step, weight_decay=weight_decay, batched=batched,
+                        betas=tuple(betas), eps=eps, foreach=foreach, fused=fused)
+        super().__init__(params, defaults, nonfinite)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        def state_items(group, p, state):
-            if group["momentum"] != 0.0 and "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            return state.get("momentum_buffer"), self._workspace(p)
+    def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
+        if group["momentum"] != 0.0 and "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return state.get("momentum_buffer"), self._workspace(p)
 
-        batches = self._batches(4, state_items)
-        fast = [g["batched"] is not False and all(p.is_contiguous() for p in lists[0]) for g, lists, _ in batches]
-        precomputed = self._check_all(batches, fast)
-        for (group, lists, _), is_fast, pre in zip(batches, fast, precomputed):
-            stiefel_sgd(
-                *lists, lr=group["lr"], momentum=group["momentum"], max_step=group["max_step"],
-                weight_decay=group["weight_decay"], batched=is_fast, precomputed=pre,
-            )
-        return loss
-
-
-class MixedOptimizer(Optimizer):
-    """Several optimizers over disjoint parameters, presented as one torch Optimizer.
-
-    `param_groups` is the concatenation of the inner optimizers' groups (the same dict objects),
-    so learning-rate schedulers and `zero_grad` work as usual; `state_dict` holds each inner
-    optimizer's state under its name and round-trips exactly.
-    """
-
-    def __init__(self, optimizers: dict[str, Optimizer]):
-        if not optimizers:
-            raise ValueError("MixedOptimizer needs at least one optimizer")
-        self.optimizers = dict(optimizers)
-        super().__init__([g for opt in self.optimizers.values() for g in opt.param_groups], defaults={})
-
-    def _relink_groups(self) -> None:
-        self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Nothing may be written before every gradient is known to be finite: check the plain
-        # optimizers' gradients here, then step the Stiefel ones first (they check their own
-        # before writing, without an extra pass), then the rest.
-        checks_itself = {name: isinstance(opt, _StiefelOptimizer) for name, opt in self.optimizers.items()}
-        refuse_non_finite_grads([g for name, opt in self.optimizers.items() if not checks_itself[name] for g in opt.param_groups])
-        for name in sorted(self.optimizers, key=lambda n: not checks_itself[n]):
-            self.optimizers[name].step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if set(state_dict) != set(self.optimizers):
-            raise ValueError(f"state_dict has optimizers {sorted(state_dict)}, expected {sorted(self.optimizers)}")
-        for name, opt in self.optimizers.items():
-            opt.load_state_dict(state_dict[name])
-        self._relink_groups()  # load_state_dict replaces each inner optimizer's group dicts
-
-    def __repr__(self) -> str:
-        inner = ", ".join(f"{name}={type(opt).__name__}" for name, opt in self.optimizers.items())
-        return f"MixedOptimizer({inner})"
-
-
-# ---------------------------------------------------------------------------------------------
-# Arms: how an experiment parametrises and steps W_Q, W_K
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ArmSpec:
-    """What an arm changes: Q/K mode and initialisation (model side) and the frames' rule."""
-
-    qk: str  # "stiefel" | "euclidean" | "frozen"
-    qk_init: str  # "standard" | "orthonormal"
-    frame_rule: str | None = None  # "adam" | "sgd" | None (frames, if any, are not stepped)
-    projector: bool = True
-    second_moment: str = "frame"
-    description: str = ""
-
-
-ARMS: dict[str, ArmSpec] = {
-    "adamw": ArmSpec("euclidean", "standard", description="baseline: Q/K ordinary matrices, usual init, AdamW"),
-    "adamw-orthoinit": ArmSpec("euclidean", "orthonormal", description="control: AdamW from the Stiefel arm's frames"),
-    "stiefel-adam": ArmSpec("stiefel", "orthonormal", "adam", description="StiefelAdam on Q/K frames"),
-    "stiefel-sgd": ArmSpec("stiefel", "orthonormal", "sgd", description="fixed-step Riemannian SGD on Q/K frames"),
-    "frozen": ArmSpec("frozen", "orthonormal", description="orthonormal Q/K, never updated"),
-    "no-projector": ArmSpec("stiefel", "orthonormal", "adam", projector=False,
-                            description="ablation: StiefelAdam without the tangent projection"),
-    "coordinate-moment": ArmSpec("stiefel", "orthonormal", "adam", second_moment="coordinate",
-                                 description="ablation: elementwise second moment (breaks O(d)-equivariance)"),
-}
-
-
-def arm_spec(arm: str) -> ArmSpec:
-    """The ArmSpec of a named arm; a clear error naming the valid arms otherwise."""
-    try:
-        return ARMS[arm]
-    except KeyError:
-        raise ValueError(f"unknown arm {arm!r}; choose one of: {', '.join(ARMS)}") from None
-
-
-def build_optimizer(
-    model: nn.Module,
-    arm: str,
-    lr: float,
-    weight_decay: float,
-    *,
-    frame_lr: float | None = None,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    frame_eps: float | None = None,
-    max_step: float | None = None,
-    sgd_momentum: float = 0.9,
-) -> MixedOptimizer:
-    """One optimizer for a whole model: the arm's rule on W_Q/W_K frames, AdamW on the rest.
-
-    AdamW applies weight decay to matrices and embeddings, not to biases and norm gains
-    (parameters with fewer than two dimensions). In the Euclidean arms W_Q, W_K are ordinary
-    matrices and get exactly that treatment. In the Stiefel arms the frames get the arm's rule
-    with `frame_lr` (default: lr), `frame_eps` (default: eps) and the same weight_decay, which
-    is a no-op on frames (Proposition 5). The model must have been built with the arm's qk mode.
-    """
-    from .nn import frames, qk_matrices  # optim sits below nn; only this factory needs models
-
-    spec = arm_spec(arm)
-    modes = {getattr(m, "qk", None) for m in model.modules() if hasattr(m, "frame_parameters")}
-    if modes and modes != {spec.qk}:
-        raise ValueError(f"arm {arm!r} needs a model built with qk={spec.qk!r}; this model has qk={sorted(modes)}")
-    frame_params = [p for _, p in frames(model)]
-    frame_ids = {id(p) for p in frame_params}
-    frozen_ids = {id(p) for _, p in qk_matrices(model)} if spec.qk == "frozen" else set()
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in frame_ids or id(p) in frozen_ids:
-            continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    optimizers: dict[str, Optimizer] = {}
-    if groups:
-        optimizers["adamw"] = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
-    if spec.frame_rule is not None and frame_params:
-        flr = lr if frame_lr is None else frame_lr
-        if spec.frame_rule == "adam":
-            optimizers["frames"] = StiefelAdam(
-                frame_params, lr=flr, betas=betas, eps=eps if frame_eps is None else frame_eps,
-                max_step=max_step, weight_decay=weight_decay, projector=spec.projector,
-                second_moment=spec.second_moment,
-            )
-        else:
-            optimizers["frames"] = StiefelSGD(frame_params, lr=flr, momentum=sgd_momentum, max_step=max_step, weight_decay=weight_decay)
-    return MixedOptimizer(optimizers)
+    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+        stiefel_sgd(
+            *lists, lr=group["lr"], momentum=group["momentum"], max_step=group["max_step"],
+            weight_decay=group["weight_decay"], batched=fast, precomputed=precomputed, keep=keep,
+        )

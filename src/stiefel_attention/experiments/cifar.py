@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 from ..data import balanced_subset, load_cifar10, normalize, train_val_split
 from ..manifold import isometry_error
-from ..nn import PatchViT, qk_matrices
-from ..optim import arm_spec, build_optimizer
+from ..metrics import attention_metrics
+from ..nn import PatchViT, qk_matrices, routing_parameters
 from ..runner import Cell
+from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
 
 # Learning rates were chosen once per profile by the `lr-sweep` experiment on a validation
 # split carved from train (results/cifar/lr-sweep/summary.md): for `cpu`, AdamW lr 2e-3 (of
@@ -90,7 +91,7 @@ def make_config(profile_name: str, arm: str, seed: int, n: int, split: str = "te
     frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
     # The trust region belongs to the paper's Adam rule; the fixed-step SGD arm stays degree one in
     # the gradient (a binding cap would make it partly scale free).
-    max_step = prof["max_step"] if arm_spec(arm).frame_rule == "adam" else None
+    max_step = prof["max_step"] if arm_spec(arm).trust_region else None
     cfg = dict(
         profile=profile_name, arm=arm, seed=seed, n_train=n, split=split, model=prof["model"],
         epochs=epochs_for(n, prof), batch_size=prof["batch_size"], eval_every=prof["eval_every"],
@@ -197,8 +198,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
 
 
 def _init_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of the initial values of every parameter except W_Q, W_K (the part arms share)."""
-    qk_ids = {id(p) for _, p in qk_matrices(model)}
+    """Hash of the initial values of every parameter except W_Q, W_K and their gains (the part arms share)."""
+    qk_ids = {id(p) for _, p in routing_parameters(model)}
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         if id(p) not in qk_ids:
@@ -238,24 +239,25 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             test_idx = balanced_subset(ds.test_y, cfg["n_test"], torch.Generator().manual_seed(0))
         x_eval, y_eval = normalize(ds.test_x[test_idx]).to(device), ds.test_y[test_idx].to(device)
 
-    spec = arm_spec(cfg["arm"])
     torch.manual_seed(cfg["seed"])
-    model = PatchViT(**cfg["model"], qk=spec.qk, qk_init=spec.qk_init).to(device)
-    opt = build_optimizer(
-        model, cfg["arm"], lr=cfg["lr"], weight_decay=cfg["weight_decay"], frame_lr=cfg["frame_lr"],
-        betas=tuple(cfg["betas"]), eps=cfg["eps"], frame_eps=cfg["frame_eps"], max_step=cfg["max_step"],
-        sgd_momentum=cfg["sgd_momentum"],
-    )
+    model = PatchViT(**cfg["model"], **attention_options(cfg["arm"])).to(device)
+    hp = HyperParameters(lr=cfg["lr"], weight_decay=cfg["weight_decay"], frame_lr=cfg["frame_lr"],
+                         betas=tuple(cfg["betas"]), eps=cfg["eps"], frame_eps=cfg["frame_eps"], max_step=cfg["max_step"],
+                         sgd_momentum=cfg["sgd_momentum"])
+    opts = build_optimizers(model, cfg["arm"], hp)
     n = len(y_train)
     steps_per_epoch = max(1, n // cfg["batch_size"])  # drop the ragged last batch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, steps_per_epoch))
-    qk = [p for _, p in qk_matrices(model)]  # each (H, D, r): H matrices of one head's shape
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _lr_lambda(cfg, steps_per_epoch)) for o in opts]
+    def qk() -> list[torch.Tensor]:  # each (H, D, r): H matrices of one head's shape (parametrized: recomputed)
+        return [p for _, p in qk_matrices(model)]
 
     # Fingerprints of what pairing promises is identical across arms of one seed.
     order_hash = hashlib.sha256()
     pairing = {"train_subset_sha256": hashlib.sha256(train_idx.numpy().tobytes()).hexdigest()[:16],
                "init_sha256": _init_fingerprint(model)}
     curves = {"epoch": [], "train_loss": [], "train_acc": [], "eval_acc": [], "movement_median": []}
+    mechanism: dict[str, list] = {}
+    probe = x_train[:256]  # a fixed batch (the first training images of the seed's subset) for the attention metrics
     t_train = 0.0
     for epoch in range(1, cfg["epochs"] + 1):
         t0 = time.perf_counter()
@@ -272,14 +274,16 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
                 xb = torch.where(flips[idx, None, None, None], xb.flip(-1), xb)
             logits = model(xb)
             loss = F.cross_entropy(logits, yb)
-            opt.zero_grad(set_to_none=True)
+            for o in opts:
+                o.zero_grad(set_to_none=True)
             loss.backward()
-            before = [p.detach().clone() for p in qk]
-            opt.step()
-            sched.step()
+            before = [p.detach().clone() for p in qk()]
+            for o, s in zip(opts, scheds):
+                o.step()
+                s.step()
             with torch.no_grad():
                 # Frobenius movement of each head's W_Q / W_K matrix (d_model x head_dim) this step
-                per_head = torch.cat([torch.linalg.matrix_norm(p.detach() - q) for p, q in zip(qk, before)])
+                per_head = torch.cat([torch.linalg.matrix_norm(p.detach() - q) for p, q in zip(qk(), before)])
                 moves.append(float(per_head.mean()))
             loss_sum += float(loss.detach()) * len(yb)
             correct += int((logits.argmax(-1) == yb).sum())
@@ -291,12 +295,16 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             curves["train_acc"].append(correct / seen)
             curves["eval_acc"].append(evaluate(model, x_eval, y_eval))
             curves["movement_median"].append(statistics.median(moves))
+            model.eval()
+            for name, per_layer in attention_metrics(model, lambda: model(probe)).items():
+                mechanism.setdefault(name, []).append(per_layer)
+            model.train()
         if progress is not None:
             progress(epoch, cfg["epochs"])
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"training loss became {loss_sum} at epoch {epoch}")
 
-    iso = max(float(isometry_error(p)) for p in qk)
+    iso = max(float(isometry_error(p)) for p in qk())
     pairing["order_sha256"] = order_hash.hexdigest()[:16]
     return {
         "data_source": ds.source,
@@ -309,7 +317,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             "qk_isometry_error": iso,
             "movement_median": statistics.median(curves["movement_median"]),
         },
-        "curves": curves,
+        "curves": {**curves, "mechanism": mechanism},
         "timings": {"train_s": t_train, "total_s": time.perf_counter() - t_start, "device": str(device),
                     "threads": torch.get_num_threads()},
     }

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 
 from ..data import modular_task
 from ..manifold import isometry_error
+from ..metrics import attention_metrics
 from ..nn import ModularTransformer, qk_matrices
-from ..optim import arm_spec, build_optimizer
 from ..runner import Cell
+from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
 
 _REFERENCE = dict(p=113, d_model=128, n_heads=4, head_dim=32, d_mlp=512, n_layers=1, layernorm=False)
 PROFILES: dict[str, dict] = {
@@ -44,8 +45,15 @@ PROFILES: dict[str, dict] = {
 BASE = dict(lr=1e-3, frame_lr=1e-3, betas=[0.9, 0.98], weight_decay=1.0, warmup_steps=10, train_fraction=0.3,
             max_step=0.1, regularize="all")
 ARMS = ("adamw", "stiefel-adam")
-EXPERIMENTS = ("single", "study", "slingshot")
-DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1}
+# The controls on a+b, mechanism-deciding arms first (they run first): no decay on Q/K, the constraint
+# by parametrization, frozen frames; then the modern baselines and the learnable temperature.
+# Every arm runs at the reference optimisation (lr 1e-3 for every parameter, W_Q and W_K included),
+# as the two original arms do: the grokking protocol has no learning-rate sweep. Muon's rate is on
+# AdamW's scale through adjust_lr_fn="match_rms_adamw".
+CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "frozen", "qk-norm", "muon", "stiefel-adam-temp")
+DECAY_VALUES = (0.1, 0.3)  # weight decay of the `decay` experiment; 1.0 is the study's
+EXPERIMENTS = ("single", "study", "slingshot", "controls", "decay")
+DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5}
 STUDY_OPS = ("+", "-")
 GROK_THRESHOLD = 0.95
 
@@ -53,11 +61,10 @@ GROK_THRESHOLD = 0.95
 def make_config(profile: str, arm: str, seed: int, op: str = "+", **overrides) -> dict:
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    arm_spec(arm)
     prof = PROFILES[profile]
     cfg = dict(profile=profile, arm=arm, seed=seed, split_seed=seed, op=op, model=dict(prof["model"]),
                epochs=prof["epochs"], eval_every=prof["eval_every"], **BASE)
-    if arm_spec(arm).frame_rule != "adam":
+    if not arm_spec(arm).trust_region:
         cfg["max_step"] = None
     unknown = set(overrides) - set(cfg)
     if unknown:
@@ -92,6 +99,14 @@ def cells(experiment: str, profile: str, seeds: int = 5) -> list[Cell]:
             raise ValueError(f"--seeds must be >= 1, got {seeds}")
         # seed-major: a study stopped part-way holds complete pairs, not one arm's seeds
         return [_cell(make_config(profile, a, s, op)) for op in STUDY_OPS for s in range(seeds) for a in ARMS]
+    if experiment in ("controls", "decay") and seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if experiment == "controls":
+        first, rest = CONTROL_ARMS[:3], CONTROL_ARMS[3:]
+        return [_cell(make_config(profile, a, s, "+")) for group in (first, rest, ARMS) for s in range(seeds) for a in group]
+    if experiment == "decay":
+        return [_cell(make_config(profile, a, s, "+", weight_decay=wd)) for wd in (*DECAY_VALUES, BASE["weight_decay"])
+                for s in range(seeds) for a in ARMS]
     if experiment == "slingshot":
         epochs = PROFILES[profile]["slingshot_epochs"]
         over = dict(weight_decay=SLINGSHOT["weight_decay"], regularize=SLINGSHOT["regularize"], betas=SLINGSHOT["betas"], epochs=epochs)
@@ -113,27 +128,22 @@ def qk_isometry(model: torch.nn.Module) -> float:
     return worst
 
 
-def _build(cfg: dict, model: ModularTransformer):
-    if cfg["regularize"] == "all":
-        return build_optimizer(model, cfg["arm"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
-                               frame_lr=cfg["frame_lr"], betas=tuple(cfg["betas"]), max_step=cfg["max_step"])
-    if cfg["regularize"] != "non-qk":
+# regularize="non-qk" (the slingshot conditions): the optimizer of an arm whose W_Q, W_K would
+# otherwise decay is that of its no-decay twin; the other arms' Q/K never decay anyway.
+_NO_QK_DECAY_TWIN = {"adamw": "adamw-qk-nodecay"}
+
+
+def _build(cfg: dict, model: ModularTransformer) -> list[torch.optim.Optimizer]:
+    arm = cfg["arm"]
+    if cfg["regularize"] == "non-qk":
+        arm = _NO_QK_DECAY_TWIN.get(arm, arm)
+        if arm_spec(arm).decays_qk:
+            raise ValueError(f"regularize='non-qk' is not defined for arm {cfg['arm']!r}")
+    elif cfg["regularize"] != "all":
         raise ValueError(f"regularize must be 'all' or 'non-qk', got {cfg['regularize']!r}")
-    # Decay on everything but W_Q, W_K: build with decay, then switch it off for Euclidean Q/K by
-    # moving them into a group of their own (frames are immune to decay anyway).
-    opt = build_optimizer(model, cfg["arm"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
-                          frame_lr=cfg["frame_lr"], betas=tuple(cfg["betas"]), max_step=cfg["max_step"])
-    qk_ids = {id(p) for _, p in qk_matrices(model)}
-    adamw = opt.optimizers["adamw"]
-    moved = []
-    for group in adamw.param_groups:
-        keep = [p for p in group["params"] if id(p) not in qk_ids]
-        moved += [p for p in group["params"] if id(p) in qk_ids]
-        group["params"] = keep
-    if moved:
-        adamw.add_param_group({"params": moved, "weight_decay": 0.0})
-        opt._relink_groups()
-    return opt
+    hp = HyperParameters(lr=cfg["lr"], weight_decay=cfg["weight_decay"], frame_lr=cfg["frame_lr"],
+                         betas=tuple(cfg["betas"]), max_step=cfg["max_step"])
+    return build_optimizers(model, arm, hp)
 
 
 def run(cfg: dict, device: str | None = None, progress=None) -> dict:
@@ -143,24 +153,27 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
     task = modular_task(m["p"], cfg["op"], cfg["train_fraction"], cfg["split_seed"])
     xt, yt = task.train_tokens.to(device), task.train_labels.to(device)
     xv, yv = task.val_tokens.to(device), task.val_labels.to(device)
-    spec = arm_spec(cfg["arm"])
     torch.manual_seed(cfg["seed"])
-    model = ModularTransformer(**m, qk=spec.qk, qk_init=spec.qk_init).to(device)
-    opt = _build(cfg, model)
+    model = ModularTransformer(**m, **attention_options(cfg["arm"])).to(device)
+    opts = _build(cfg, model)
     warm = cfg["warmup_steps"]
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0)
+              for o in opts]
 
     log: dict[str, list] = {k: [] for k in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "unembed_norm", "qk_isometry")}
+    mechanism: dict[str, list] = {}
     first_grok = None
     t_train = 0.0
     for epoch in range(1, cfg["epochs"] + 1):
         t0 = time.perf_counter()
         logits = model(xt)
         loss = F.cross_entropy(logits, yt)
-        opt.zero_grad(set_to_none=True)
+        for o in opts:
+            o.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
-        sched.step()
+        for o, s in zip(opts, scheds):
+            o.step()
+            s.step()
         t_train += time.perf_counter() - t0
         if epoch % cfg["eval_every"] == 0 or epoch == cfg["epochs"] or epoch == 1:
             with torch.no_grad():
@@ -172,6 +185,10 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
                 log["val_acc"].append(float((vlogits.argmax(-1) == yv).float().mean()))
                 log["unembed_norm"].append(float(model.unembed.weight.norm()))
                 log["qk_isometry"].append(qk_isometry(model))
+            # the attention the model reads: the '=' query, on a fixed batch of training equations
+            point = attention_metrics(model, lambda: model.forward_full(xt[:512]), queries=slice(-1, None))
+            for name, per_layer in point.items():
+                mechanism.setdefault(name, []).append(per_layer)
             if first_grok is None and log["val_acc"][-1] >= GROK_THRESHOLD:
                 first_grok = epoch
             if not math.isfinite(log["train_loss"][-1]):
@@ -186,7 +203,7 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
             "max_qk_isometry": max(log["qk_isometry"]),
             "collapses": find_collapses(log),
         },
-        "curves": log,
+        "curves": {**log, "mechanism": mechanism},
         "timings": {"train_s": t_train, "total_s": time.perf_counter() - t_start,
                     "epochs_per_s": cfg["epochs"] / t_train, "device": str(device), "threads": torch.get_num_threads()},
     }
