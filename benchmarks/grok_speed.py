@@ -20,12 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from readme import replace_block  # benchmarks/readme.py, beside this script
+from stiefel_attention.bench import grok
+from stiefel_attention.bench.arms import attention_options
+from stiefel_attention.bench.models import ModularTransformer
+from stiefel_attention.bench.modular import modular_task
 from timing import round_robin
-
-from stiefel_attention.data import modular_task
-from stiefel_attention.experiments import grok
-from stiefel_attention.nn import ModularTransformer
-from stiefel_attention.optim import arm_spec
 
 
 def steps_per_second(profile: str, epochs: int) -> dict[str, float]:
@@ -33,10 +32,9 @@ def steps_per_second(profile: str, epochs: int) -> dict[str, float]:
     for arm in grok.ARMS:
         cfg = grok.make_config(profile, arm, seed=0)
         task = modular_task(cfg["model"]["p"], cfg["op"], cfg["train_fraction"], cfg["split_seed"])
-        spec = arm_spec(arm)
         torch.manual_seed(0)
-        model = ModularTransformer(**cfg["model"], qk=spec.qk, qk_init=spec.qk_init)
-        opt = grok._build(cfg, model)
+        model = ModularTransformer(**cfg["model"], **attention_options(arm))
+        (opt,) = grok._build(cfg, model)
 
         def step(model=model, opt=opt, x=task.train_tokens, y=task.train_labels):
             loss = F.cross_entropy(model(x), y)
@@ -51,9 +49,13 @@ def steps_per_second(profile: str, epochs: int) -> dict[str, float]:
 
 
 def markdown_table(result: dict) -> str:
-    lines = [f"Full-batch training epochs per second of the grokking model, one thread, torch {torch.__version__}, "
-             f"{platform.machine()} (`benchmarks/grok_speed.py`; median of timed epochs, arms round-robin):", "",
-             "| profile | model | arm | epochs/s | 20,000 epochs |", "|---|---|---|---|---|"]
+    lines = [
+        f"Full-batch training epochs per second of the grokking model, one thread, torch {torch.__version__}, "
+        f"{platform.machine()} (`benchmarks/grok_speed.py`; median of timed epochs, arms round-robin):",
+        "",
+        "| profile | model | arm | epochs/s | 20,000 epochs |",
+        "|---|---|---|---|---|",
+    ]
     for profile in ("cpu", "paper"):
         m = result[profile]["model"]
         shape = f"p={m['p']}, d_model {m['d_model']}, {m['n_heads']} heads of {m['head_dim']}, MLP {m['d_mlp']}"
@@ -73,10 +75,15 @@ def main() -> None:
     result = {}
     for profile in ("cpu", "paper"):
         rates = steps_per_second(profile, args.epochs)
-        result[profile] = {"model": grok.PROFILES[profile]["model"], "steps_per_s": rates,
-                           "minutes_per_20k_epochs": {a: 20000 / r / 60 for a, r in rates.items()}}
+        result[profile] = {
+            "model": grok.PROFILES[profile]["model"],
+            "steps_per_s": rates,
+            "minutes_per_20k_epochs": {a: 20000 / r / 60 for a, r in rates.items()},
+        }
         for arm, r in rates.items():
-            print(f"{profile:<6} {arm:<13} {r:7.1f} steps/s  -> 20,000 epochs in {20000 / r / 60:5.1f} min (one thread)")
+            print(
+                f"{profile:<6} {arm:<13} {r:7.1f} steps/s  -> 20,000 epochs in {20000 / r / 60:5.1f} min (one thread)"
+            )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -4,7 +4,9 @@ shows exactly what the last committed run printed."""
 from __future__ import annotations
 
 
-def replace_block(path: str, text: str, start: str = "<!-- benchmark:start -->", end: str = "<!-- benchmark:end -->") -> None:
+def replace_block(
+    path: str, text: str, start: str = "<!-- benchmark:start -->", end: str = "<!-- benchmark:end -->"
+) -> None:
     with open(path) as f:
         content = f.read()
     if start not in content or end not in content:

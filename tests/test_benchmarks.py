@@ -30,8 +30,13 @@ def test_readme_holds_each_benchmark_block(markers):
 def test_grok_speed_table_projects_20k_epochs_from_the_measured_rate():
     import grok_speed
 
-    result = {profile: {"model": dict(p=97, d_model=64, n_heads=4, head_dim=16, d_mlp=256),
-                        "steps_per_s": {"adamw": 40.0, "stiefel-adam": 20.0}} for profile in ("cpu", "paper")}
+    result = {
+        profile: {
+            "model": dict(p=97, d_model=64, n_heads=4, head_dim=16, d_mlp=256),
+            "steps_per_s": {"adamw": 40.0, "stiefel-adam": 20.0},
+        }
+        for profile in ("cpu", "paper")
+    }
     table = grok_speed.markdown_table(result)
     assert "| cpu | p=97, d_model 64, 4 heads of 16, MLP 256 | adamw | 40.0 | 8.3 min |" in table  # 20000 / 40 / 60
     assert "| paper | p=97, d_model 64, 4 heads of 16, MLP 256 | stiefel-adam | 20.0 | 16.7 min |" in table

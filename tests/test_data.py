@@ -1,4 +1,4 @@
-"""Tests for stiefel_attention.data (CIFAR-10 part), on tiny generated datasets."""
+"""Tests for stiefel_attention.bench.cifar10 (CIFAR-10 part), on tiny generated datasets."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stiefel_attention import data
-from stiefel_attention.data import (
+from stiefel_attention.bench import cifar10 as data
+from stiefel_attention.bench.cifar10 import (
     CIFAR10_CLASSES,
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -32,9 +32,7 @@ from stiefel_attention.data import (
     train_val_split,
 )
 
-REAL_ARCHIVE = (
-    Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
-)
+REAL_ARCHIVE = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +167,11 @@ def test_cache_is_written_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     load_cifar10(archive, cache_dir=cache)
     (entry,) = cache.iterdir()  # exactly one entry, no temp leftovers
     assert sorted(p.name for p in entry.iterdir()) == [
-        "meta.json", "test_x.npy", "test_y.npy", "train_x.npy", "train_y.npy",
+        "meta.json",
+        "test_x.npy",
+        "test_y.npy",
+        "train_x.npy",
+        "train_y.npy",
     ]
     monkeypatch.setattr(data, "_decode_source", _fail_decode)
     assert_matches(load_cifar10(archive, cache_dir=cache), expected)
@@ -195,9 +197,7 @@ def test_changed_source_is_decoded_again(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flip_pixel_byte", "garbage_meta", "missing_labels"])
-def test_corrupt_cache_is_rebuilt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
-) -> None:
+def test_corrupt_cache_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
     expected = make_pickle_dir(tmp_path / "src")
     cache = tmp_path / "cache"
     load_cifar10(tmp_path / "src", cache_dir=cache)
@@ -342,9 +342,7 @@ def test_env_var_pointing_nowhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert_helpful(err, "from the environment variable")
 
 
-def test_nothing_found_lists_what_was_tried(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_nothing_found_lists_what_was_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     workdir = tmp_path / "a" / "b"  # so ../shared/... cannot exist either
     workdir.mkdir(parents=True)
     monkeypatch.chdir(workdir)
@@ -389,7 +387,8 @@ def test_download_verifies_and_extracts(
     assert folder == dest / "cifar-10-batches-py"
     assert requested == [data.CIFAR10_URL]
     assert sorted(p.name for p in dest.iterdir()) == [
-        "cifar-10-batches-py", "cifar-10-python.tar.gz",
+        "cifar-10-batches-py",
+        "cifar-10-python.tar.gz",
     ]
     assert_matches(load_cifar10(folder, cache_dir=tmp_path / "cache"), expected)
     # Already there: no second download.

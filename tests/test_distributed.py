@@ -1,7 +1,7 @@
 """DistributedDataParallel on CPU (gloo, 2 processes) gives the full-batch trajectory.
 
 DDP averages the two ranks' gradients of their half-batch mean losses, which is the gradient of
-the full-batch mean loss; so 3 steps of the 'stiefel-adam' arm under DDP must land where 3
+the full-batch mean loss; so 3 steps of StiefelAdam(param_groups(model)) under DDP must land where 3
 single-process steps on the whole batch land, frames included (up to float32 round-off).
 """
 
@@ -18,14 +18,14 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from stiefel_attention.bench.models import PatchViT
 from stiefel_attention.manifold import isometry_error
-from stiefel_attention.nn import PatchViT, frames
-from stiefel_attention.optim import build_optimizer
+from stiefel_attention.nn import frames
+from stiefel_attention.optim import StiefelAdam, param_groups
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 16
 STEPS = 3
-ARM = "stiefel-adam"
 TIMEOUT_S = 120.0
 
 
@@ -35,7 +35,7 @@ def _make_model() -> PatchViT:
 
 
 def _make_optimizer(model):
-    return build_optimizer(model, ARM, lr=3e-3, weight_decay=0.05, frame_lr=3e-2)
+    return StiefelAdam(param_groups(model, weight_decay=0.05, frame_lr=3e-2), lr=3e-3)
 
 
 def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +67,8 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, err_path: str)
             opt = _make_optimizer(ddp.module)
             images, labels = _global_batch()
             per_rank = GLOBAL_BATCH // world_size
-            x = images[rank * per_rank:(rank + 1) * per_rank]
-            y = labels[rank * per_rank:(rank + 1) * per_rank]
+            x = images[rank * per_rank : (rank + 1) * per_rank]
+            y = labels[rank * per_rank : (rank + 1) * per_rank]
             for _ in range(STEPS):
                 loss = F.cross_entropy(ddp(x), y)
                 opt.zero_grad()
@@ -107,7 +107,9 @@ def test_ddp_two_ranks_matches_full_batch(tmp_path):
     port = _free_port()
 
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, WORLD_SIZE, port, out_path, err_path)) for rank in range(WORLD_SIZE)]
+    procs = [
+        ctx.Process(target=_worker, args=(rank, WORLD_SIZE, port, out_path, err_path)) for rank in range(WORLD_SIZE)
+    ]
     for p in procs:
         p.start()
     try:

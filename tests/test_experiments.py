@@ -16,12 +16,13 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from stiefel_attention import cli
-from stiefel_attention.data import ENV_CACHE, ENV_CIFAR10
-from stiefel_attention.experiments import cifar
-from stiefel_attention.report import cifar_summary, rebuild_all, verdict, write_cifar_report
-from stiefel_attention.runner import Cell, InlineExecutor, LocalExecutor, run_cells, write_json_atomic
-from stiefel_attention.stats import paired_comparison
+from stiefel_attention.bench import cifar, cli, grok
+from stiefel_attention.bench.cifar10 import ENV_CACHE, ENV_CIFAR10
+from stiefel_attention.bench.cifar_report import cifar_summary, write_cifar_report
+from stiefel_attention.bench.records import Cell, write_json_atomic
+from stiefel_attention.bench.report import rebuild_all, verdict
+from stiefel_attention.bench.runner import InlineExecutor, LocalExecutor, run_cells
+from stiefel_attention.bench.stats import paired_comparison
 
 REAL_ARCHIVE = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
 N_TRAIN = 100  # per run; the fake set has 30 images per class
@@ -139,7 +140,9 @@ def test_arms_of_a_seed_share_subset_init_and_order(fake_cifar):
     by_seed: dict[int, set] = {}
     for rec in records.values():
         fp = rec["pairing"]
-        by_seed.setdefault(rec["config"]["seed"], set()).add((fp["train_subset_sha256"], fp["init_sha256"], fp["order_sha256"]))
+        by_seed.setdefault(rec["config"]["seed"], set()).add(
+            (fp["train_subset_sha256"], fp["init_sha256"], fp["order_sha256"])
+        )
     assert set(by_seed) == {0, 1}
     assert all(len(v) == 1 for v in by_seed.values()), by_seed  # identical across the 5 arms
     assert by_seed[0] != by_seed[1]
@@ -221,10 +224,20 @@ def test_local_executor_runs_in_worker_processes(fake_cifar, tmp_path):
 
 
 def _fake_record(arm, seed, acc, **cfg):
-    config = dict(arm=arm, seed=seed, n_train=cfg.get("n_train", 10000), frame_eps=cfg.get("frame_eps", 1e-8),
-                  lr=1e-3, frame_lr=1e-2, split="test")
-    return {"config": config, "metrics": {"final_eval_acc": acc},
-            "curves": {"movement_median": cfg.get("movement", [1.0, 1.0])}}
+    config = dict(
+        arm=arm,
+        seed=seed,
+        n_train=cfg.get("n_train", 10000),
+        frame_eps=cfg.get("frame_eps", 1e-8),
+        lr=1e-3,
+        frame_lr=1e-2,
+        split="test",
+    )
+    return {
+        "config": config,
+        "metrics": {"final_eval_acc": acc},
+        "curves": {"movement_median": cfg.get("movement", [1.0, 1.0])},
+    }
 
 
 def test_summary_and_report_files(tmp_path):
@@ -232,9 +245,13 @@ def test_summary_and_report_files(tmp_path):
     recs = []
     for s in range(12):
         base = 0.55 + 0.01 * rng.standard_normal()
-        recs += [_fake_record("adamw", s, base), _fake_record("stiefel-adam", s, base + 0.02 + 0.002 * rng.standard_normal()),
-                 _fake_record("stiefel-sgd", s, base + 0.005), _fake_record("frozen", s, base + 0.004),
-                 _fake_record("adamw-orthoinit", s, base + 0.001 * rng.standard_normal())]
+        recs += [
+            _fake_record("adamw", s, base),
+            _fake_record("stiefel-adam", s, base + 0.02 + 0.002 * rng.standard_normal()),
+            _fake_record("stiefel-sgd", s, base + 0.005),
+            _fake_record("frozen", s, base + 0.004),
+            _fake_record("adamw-orthoinit", s, base + 0.001 * rng.standard_normal()),
+        ]
     summary = write_cifar_report(tmp_path, "main", recs, "cpu")
     first = summary["comparisons"][0]
     assert (first["arm"], first["baseline"]) == ("stiefel-adam", "adamw")
@@ -251,8 +268,10 @@ def test_scaling_and_movement_summaries():
     recs = []
     for n, lead in ((1000, 0.01), (5000, 0.02), (10000, 0.03)):
         for s in range(5):
-            recs += [_fake_record("adamw", s, 0.5 + 0.001 * s, n_train=n),
-                     _fake_record("stiefel-adam", s, 0.5 + lead + 0.002 * (s % 2), n_train=n)]
+            recs += [
+                _fake_record("adamw", s, 0.5 + 0.001 * s, n_train=n),
+                _fake_record("stiefel-adam", s, 0.5 + lead + 0.002 * (s % 2), n_train=n),
+            ]
     summary = cifar_summary("scaling", recs)
     assert [c["n_train"] for c in summary["comparisons"]] == [1000, 5000, 10000]
     assert summary["lead_grows_with_n"] is True
@@ -267,7 +286,19 @@ def test_scaling_and_movement_summaries():
 
 
 def test_cli_bad_data_path_is_one_clear_line(tmp_path, capsys):
-    rc = cli.main(["cifar", "--experiment", "main", "--profile", "smoke", "--data", str(tmp_path / "nope"), "--out", str(tmp_path)])
+    rc = cli.main(
+        [
+            "cifar",
+            "--experiment",
+            "main",
+            "--profile",
+            "smoke",
+            "--data",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "error:" in err and "--data" in err and ENV_CIFAR10 in err
@@ -294,13 +325,22 @@ def test_cli_executor_ray_without_ray_says_how_to_install(tmp_path, monkeypatch,
 
 def test_reproduce_certifies_runs_every_step_and_writes_the_report(fake_cifar, tmp_path, monkeypatch, capsys):
     # the real step list takes ~2 min at the smoke size; two steps (one per family) check the wiring
-    monkeypatch.setattr(cli, "REPRODUCE_STEPS", (("cifar", "main"), ("grok", "single")))
+    monkeypatch.setattr(type(cifar.FAMILY), "reproduce_order", ("main",))
+    monkeypatch.setattr(type(grok.FAMILY), "reproduce_order", ("single",))
     for key, value in (("n_main", 100), ("n_test", None), ("n_val", 50), ("epochs", 1)):
         monkeypatch.setitem(cifar.PROFILES["smoke"], key, value)
     out = tmp_path / "repro"
-    assert cli.main(["reproduce", "--profile", "smoke", "--data", fake_cifar, "--out", str(out), "--jobs", "1", "--no-progress"]) == 0
+    assert (
+        cli.main(
+            ["reproduce", "--profile", "smoke", "--data", fake_cifar, "--out", str(out), "--jobs", "1", "--no-progress"]
+        )
+        == 0
+    )
     assert all(c["passed"] for c in json.loads((out / "certify.json").read_text())["checks"])
-    assert len(list((out / "cifar" / "runs").glob("*.json"))) == 10 and len(list((out / "grok" / "runs").glob("*.json"))) == 2
+    assert (
+        len(list((out / "cifar" / "runs").glob("*.json"))) == 10
+        and len(list((out / "grok" / "runs").glob("*.json"))) == 2
+    )
     report = (out / "REPORT.md").read_text()
     assert "[cifar/main](cifar/main/summary.md) (10/10 runs) | smoke" in report
     assert "[grok/single](grok/single/summary.md) (2/2 runs) | smoke" in report
@@ -311,8 +351,24 @@ def test_reproduce_certifies_runs_every_step_and_writes_the_report(fake_cifar, t
 
 
 def test_cli_smoke_on_generated_data(fake_cifar, tmp_path, capsys):
-    args = ["cifar", "--experiment", "movement", "--profile", "smoke", "--seeds", "2", "--n", str(N_TRAIN),
-            "--data", fake_cifar, "--out", str(tmp_path), "--jobs", "1", "--no-progress"]
+    args = [
+        "cifar",
+        "--experiment",
+        "movement",
+        "--profile",
+        "smoke",
+        "--seeds",
+        "2",
+        "--n",
+        str(N_TRAIN),
+        "--data",
+        fake_cifar,
+        "--out",
+        str(tmp_path),
+        "--jobs",
+        "1",
+        "--no-progress",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "adamw / arm per-step movement" in out
@@ -325,8 +381,20 @@ def test_cli_smoke_on_generated_data(fake_cifar, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not REAL_ARCHIVE.exists(), reason="shared CIFAR-10 archive not present")
 def test_real_smoke_experiment_on_shared_data(tmp_path):
-    args = ["cifar", "--experiment", "main", "--profile", "smoke", "--data", str(REAL_ARCHIVE),
-            "--out", str(tmp_path), "--jobs", "1", "--no-progress"]
+    args = [
+        "cifar",
+        "--experiment",
+        "main",
+        "--profile",
+        "smoke",
+        "--data",
+        str(REAL_ARCHIVE),
+        "--out",
+        str(tmp_path),
+        "--jobs",
+        "1",
+        "--no-progress",
+    ]
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "main" / "summary.json").read_text())
     assert summary["n_records"] == 10
@@ -335,8 +403,24 @@ def test_real_smoke_experiment_on_shared_data(tmp_path):
 
 
 def test_report_rebuilds_summaries_from_records_alone(fake_cifar, tmp_path, capsys):
-    args = ["cifar", "--experiment", "movement", "--profile", "smoke", "--seeds", "2", "--n", str(N_TRAIN),
-            "--data", fake_cifar, "--out", str(tmp_path / "cifar"), "--jobs", "1", "--no-progress"]
+    args = [
+        "cifar",
+        "--experiment",
+        "movement",
+        "--profile",
+        "smoke",
+        "--seeds",
+        "2",
+        "--n",
+        str(N_TRAIN),
+        "--data",
+        fake_cifar,
+        "--out",
+        str(tmp_path / "cifar"),
+        "--jobs",
+        "1",
+        "--no-progress",
+    ]
     assert cli.main(args) == 0
     first = json.loads((tmp_path / "cifar" / "movement" / "summary.json").read_text())
     for p in (tmp_path / "cifar" / "movement").iterdir():
@@ -353,8 +437,14 @@ def test_report_rebuilds_summaries_from_records_alone(fake_cifar, tmp_path, caps
 
 
 def _cell_record(cell, acc: float) -> dict:
-    return {"name": cell.name, "key": cell.key, "family": cell.family, "config": cell.config,
-            "metrics": {"final_eval_acc": acc}, "curves": {"movement_median": [1.0]}}
+    return {
+        "name": cell.name,
+        "key": cell.key,
+        "family": cell.family,
+        "config": cell.config,
+        "metrics": {"final_eval_acc": acc},
+        "curves": {"movement_median": [1.0]},
+    }
 
 
 def test_report_never_pools_scaling_runs_into_main(tmp_path):
@@ -374,7 +464,12 @@ def test_report_never_pools_scaling_runs_into_main(tmp_path):
     [vs_adamw] = [c for c in main["comparisons"] if (c["arm"], c["baseline"]) == ("stiefel-adam", "adamw")]
     assert vs_adamw["mean_diff"] == pytest.approx(1.0) and vs_adamw["n_seeds"] == 3
     scaling = json.loads((tmp_path / "cifar" / "scaling" / "summary.json").read_text())
-    assert {c["n_train"]: round(c["mean_diff"], 6) for c in scaling["comparisons"]} == {1000: 5.0, 5000: 3.0, 10000: 1.0, 50000: 2.0}
+    assert {c["n_train"]: round(c["mean_diff"], 6) for c in scaling["comparisons"]} == {
+        1000: 5.0,
+        5000: 3.0,
+        10000: 1.0,
+        50000: 2.0,
+    }
 
 
 def test_report_refuses_mixed_profiles_and_cli_keeps_smoke_out_of_results(tmp_path, fake_cifar, monkeypatch):
@@ -385,15 +480,30 @@ def test_report_refuses_mixed_profiles_and_cli_keeps_smoke_out_of_results(tmp_pa
     with pytest.raises(ValueError, match="mixes records of profiles cpu, smoke"):
         rebuild_all(tmp_path)
     # the experiment commands refuse to add records of one profile to a folder of another
-    assert cli.main(["cifar", "--experiment", "main", "--profile", "paper", "--data", fake_cifar,
-                     "--out", str(tmp_path / "cifar"), "--no-progress"]) == 2
+    assert (
+        cli.main(
+            [
+                "cifar",
+                "--experiment",
+                "main",
+                "--profile",
+                "paper",
+                "--data",
+                fake_cifar,
+                "--out",
+                str(tmp_path / "cifar"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert cli.default_results_dir("cpu").as_posix() == "results"
     assert cli.default_results_dir("smoke").as_posix() == "results-smoke"
 
 
 def test_an_unreadable_record_is_skipped_with_a_warning(tmp_path, capsys):
-    from stiefel_attention.report import load_records
-    from stiefel_attention.runner import read_record
+    from stiefel_attention.bench.records import read_record
+    from stiefel_attention.bench.report import load_records
 
     good = {"family": "grok", "name": "a", "config": {"profile": "smoke"}}
     (tmp_path / "a.json").write_text(json.dumps(good))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stiefel_attention import ModularTransformer, cli
-from stiefel_attention.data import MODULAR_OPS, modular_table, modular_task
-from stiefel_attention.experiments import grok
+from stiefel_attention.bench import cli, grok
+from stiefel_attention.bench.models import ModularTransformer
+from stiefel_attention.bench.modular import MODULAR_OPS, modular_table, modular_task
 
 
 @pytest.mark.parametrize("op", MODULAR_OPS)
@@ -60,7 +60,9 @@ def test_bad_task_arguments():
 @pytest.mark.parametrize("qk", ["stiefel", "euclidean"])
 def test_fast_path_equals_plain_forward_and_its_gradients(n_layers, layernorm, qk):
     torch.manual_seed(0)
-    model = ModularTransformer(23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=n_layers, layernorm=layernorm, qk=qk).double()
+    model = ModularTransformer(
+        23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=n_layers, layernorm=layernorm, qk=qk
+    ).double()
     tokens = modular_task(23, "*", 0.5, 0).train_tokens
     fast, full = model(tokens), model.forward_full(tokens)
     assert (fast - full).abs().max() < 1e-12
@@ -75,9 +77,12 @@ def test_one_layer_qk_gradients_are_rank_one(op):
     the same for every equation: q = W_Q^T x_= is one vector per head, so dL/dW_Q = x_= (dL/dq)^T and
     dL/dW_K = (sum over keys of dL/ds * x) q^T are both rank one. This is why the unconstrained
     arm's Q/K heads drift to parallel columns (report.py cites it). A second layer breaks it."""
+
     def grad_rank_ratios(n_layers):
         torch.manual_seed(0)
-        model = ModularTransformer(23, d_model=32, n_heads=2, head_dim=8, d_mlp=64, n_layers=n_layers, qk="euclidean").double()
+        model = ModularTransformer(
+            23, d_model=32, n_heads=2, head_dim=8, d_mlp=64, n_layers=n_layers, qk="euclidean"
+        ).double()
         task = modular_task(23, op, 0.5, 0)
         torch.nn.functional.cross_entropy(model(task.train_tokens), task.train_labels).backward()
         attn = model.blocks[-1].attn
@@ -89,9 +94,11 @@ def test_one_layer_qk_gradients_are_rank_one(op):
 
 
 def test_find_collapses_counts_spikes_and_recovery():
-    log = {"epoch": list(range(10)),
-           "train_loss": [2, 0.5, 1e-3, 5e-4, 0.1, 0.2, 4e-4, 3e-4, 0.5, 0.4],
-           "val_acc": [0.1, 0.5, 0.99, 0.99, 0.6, 0.5, 0.97, 0.98, 0.3, 0.2]}
+    log = {
+        "epoch": list(range(10)),
+        "train_loss": [2, 0.5, 1e-3, 5e-4, 0.1, 0.2, 4e-4, 3e-4, 0.5, 0.4],
+        "val_acc": [0.1, 0.5, 0.99, 0.99, 0.6, 0.5, 0.97, 0.98, 0.3, 0.2],
+    }
     events = grok.find_collapses(log)
     assert [e["epoch"] for e in events] == [4, 8]
     assert events[0]["survived"] and not events[1]["survived"]
@@ -107,12 +114,17 @@ def test_qk_isometry_column_normalised_for_euclidean():
     assert grok.qk_isometry(model) < 1e-5
     with torch.no_grad():
         model.blocks[0].attn.w_q[0, :, 1] = model.blocks[0].attn.w_q[0, :, 0]  # two equal columns
-    assert grok.qk_isometry(model) == pytest.approx(2 ** 0.5, rel=1e-4)  # two off-diagonal ones
+    assert grok.qk_isometry(model) == pytest.approx(2**0.5, rel=1e-4)  # two off-diagonal ones
 
 
 def test_slingshot_pilots_differ_only_in_the_op_and_keep_the_division_keys():
     cells = grok.cells("slingshot", "cpu")
-    assert [(c.config["op"], c.config["arm"]) for c in cells] == [("/", "adamw"), ("/", "stiefel-adam"), ("+", "adamw"), ("+", "stiefel-adam")]
+    assert [(c.config["op"], c.config["arm"]) for c in cells] == [
+        ("/", "adamw"),
+        ("/", "stiefel-adam"),
+        ("+", "adamw"),
+        ("+", "stiefel-adam"),
+    ]
     for div, add in zip(cells[:2], cells[2:]):
         assert {k for k in div.config if div.config[k] != add.config[k]} == {"op"}
     # Adding the addition pilot must not re-key (and so re-run) the committed division records.
@@ -128,14 +140,27 @@ def test_slingshot_regularises_everything_but_qk():
     assert cfg["arm"] == "adamw" and cfg["regularize"] == "non-qk" and cfg["weight_decay"] > 0
     torch.manual_seed(0)
     model = ModularTransformer(23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, qk="euclidean")
-    opt = grok._build(cfg, model)
+    (opt,) = grok._build(cfg, model)
     decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     assert decay[id(model.blocks[0].attn.w_q)] == 0.0 and decay[id(model.blocks[0].attn.w_k)] == 0.0
-    assert decay[id(model.unembed.weight)] == cfg["weight_decay"] and decay[id(model.embed.weight)] == cfg["weight_decay"]
+    assert (
+        decay[id(model.unembed.weight)] == cfg["weight_decay"] and decay[id(model.embed.weight)] == cfg["weight_decay"]
+    )
 
 
 def test_cli_single_smoke(tmp_path, capsys):
-    args = ["grok", "--experiment", "single", "--profile", "smoke", "--out", str(tmp_path), "--jobs", "1", "--no-progress"]
+    args = [
+        "grok",
+        "--experiment",
+        "single",
+        "--profile",
+        "smoke",
+        "--out",
+        str(tmp_path),
+        "--jobs",
+        "1",
+        "--no-progress",
+    ]
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "single" / "summary.json").read_text())
     arms = {r["arm"]: r for r in summary["runs"]}
@@ -147,20 +172,26 @@ def test_cli_single_smoke(tmp_path, capsys):
 
 
 def test_slingshot_verdict_needs_grokking_and_every_later_collapse_survived():
-    from stiefel_attention.report import _slingshot_verdict
+    from stiefel_attention.bench.grok_report import _slingshot_verdict
 
     run = dict(epochs=40000, max_val_acc=1.7, epoch_val_acc_95=None, collapses=[{"epoch": 100, "survived": False}])
     assert _slingshot_verdict(run).startswith("does not replicate, the Stiefel arm never groks (best val acc 1.7%")
-    collapses = [{"epoch": 500, "survived": False}, {"epoch": 3000, "survived": True}, {"epoch": 6000, "survived": False}]
+    collapses = [
+        {"epoch": 500, "survived": False},
+        {"epoch": 3000, "survived": True},
+        {"epoch": 6000, "survived": False},
+    ]
     run = dict(run, epoch_val_acc_95=2000, collapses=collapses)  # the collapse before grokking does not count
     assert _slingshot_verdict(run).endswith("loses it in 1 of 2 later collapses")
     run["collapses"] = collapses[:2]
-    assert _slingshot_verdict(run) == "replicates, the Stiefel arm groks at epoch 2000 and survives all 1 later collapses"
+    assert (
+        _slingshot_verdict(run) == "replicates, the Stiefel arm groks at epoch 2000 and survives all 1 later collapses"
+    )
 
 
 def test_study_verdict_names_the_wilcoxon_floor_of_five_pairs():
-    from stiefel_attention.report import _study_verdict
-    from stiefel_attention.stats import paired_comparison
+    from stiefel_attention.bench.grok_report import _study_verdict
+    from stiefel_attention.bench.stats import paired_comparison
 
     never, stiefel = [20001] * 5, [5020, 11780, 10260, 3700, 6380]  # baseline censored: never reached 95%
     st = paired_comparison(stiefel, never)
@@ -171,16 +202,20 @@ def test_study_verdict_names_the_wilcoxon_floor_of_five_pairs():
     st = paired_comparison(never[:2] + [3000, 9000, 20001], stiefel)  # mixed signs: no clear winner
     assert _study_verdict(st, st).startswith("partly replicates")
     baseline_wins = paired_comparison([a + 4000 + 100 * i for i, a in enumerate(stiefel * 2)], stiefel * 2)
-    assert _study_verdict(baseline_wins, baseline_wins).startswith("replicates: the baseline groks significantly faster (both tests, 10/10")
+    assert _study_verdict(baseline_wins, baseline_wins).startswith(
+        "replicates: the baseline groks significantly faster (both tests, 10/10"
+    )
 
 
 def test_study_verdict_when_neither_arm_groks():
-    from stiefel_attention.report import _study_verdict
-    from stiefel_attention.stats import paired_comparison
+    from stiefel_attention.bench.grok_report import _study_verdict
+    from stiefel_attention.bench.stats import paired_comparison
 
     st = paired_comparison([20001.0] * 3, [20001.0] * 3)
-    assert _study_verdict(st, st, {"adamw": 3, "stiefel-adam": 3}) == \
-        "untestable here: neither arm reaches 95% validation accuracy in any of 3 seeds"
+    assert (
+        _study_verdict(st, st, {"adamw": 3, "stiefel-adam": 3})
+        == "untestable here: neither arm reaches 95% validation accuracy in any of 3 seeds"
+    )
     # Final accuracy (pp, stiefel − adamw) still names the arm ahead, as the subtraction study needs.
     acc = paired_comparison([3.2, 1.0, 3.1, 1.9, 1.4], [0.5, 0.5, 0.5, 0.4, 0.4])
     st5 = paired_comparison([20001.0] * 5, [20001.0] * 5)
@@ -193,13 +228,21 @@ def test_study_verdict_when_neither_arm_groks():
 
 
 def _fake_grok_record(op, arm, seed, grok_epoch, final_acc):
-    return {"config": {"op": op, "arm": arm, "seed": seed, "epochs": 20000},
-            "metrics": {"final_val_acc": final_acc, "epoch_val_acc_95": grok_epoch, "max_qk_isometry": 1e-6, "collapses": []},
-            "curves": {"val_acc": [final_acc]}, "timings": {"epochs_per_s": 30.0}}
+    return {
+        "config": {"op": op, "arm": arm, "seed": seed, "epochs": 20000},
+        "metrics": {
+            "final_val_acc": final_acc,
+            "epoch_val_acc_95": grok_epoch,
+            "max_qk_isometry": 1e-6,
+            "collapses": [],
+        },
+        "curves": {"val_acc": [final_acc]},
+        "timings": {"epochs_per_s": 30.0},
+    }
 
 
 def test_study_markdown_censors_never_grokked_runs_and_prints_undefined_t_as_na():
-    from stiefel_attention.report import grok_markdown, grok_summary
+    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
 
     records = [_fake_grok_record("+", "adamw", s, None, 0.25) for s in range(3)]
     records += [_fake_grok_record("+", "stiefel-adam", s, e, 1.0) for s, e in zip(range(3), (4000, 6000, 9000))]
@@ -216,32 +259,50 @@ def test_study_markdown_censors_never_grokked_runs_and_prints_undefined_t_as_na(
 
 
 def test_single_verdict_reports_the_ordering_and_each_arm_against_the_paper():
-    from stiefel_attention.claims import GROK_SINGLE
-    from stiefel_attention.report import _single_verdict
+    from stiefel_attention.bench.claims import GROK_SINGLE
+    from stiefel_attention.bench.grok_report import _single_verdict
 
     runs = [{"arm": "adamw", "final_val_acc": 24.0}, {"arm": "stiefel-adam", "final_val_acc": 100.0}]
     assert _single_verdict(runs, GROK_SINGLE["paper"]) == (
-        "ordering replicates (one seed, no test; the study is the test): stiefel-adam 100.0% vs paper 97.0%, adamw 24.0% vs paper 61.1%")
+        "ordering replicates (one seed, no test; the study is the test): stiefel-adam 100.0% vs paper 97.0%, "
+        "adamw 24.0% vs paper 61.1%"
+    )
     runs[1]["final_val_acc"] = 50.0
-    assert _single_verdict(runs, GROK_SINGLE["paper"]).startswith("ordering replicates, but the Stiefel arm does not hold >= 95%")
+    assert _single_verdict(runs, GROK_SINGLE["paper"]).startswith(
+        "ordering replicates, but the Stiefel arm does not hold >= 95%"
+    )
     runs[0]["final_val_acc"] = 99.0
     assert _single_verdict(runs, GROK_SINGLE["paper"]).startswith("does not replicate: the baseline ends ahead")
     assert _single_verdict(runs[:1], GROK_SINGLE["paper"]) == "incomplete: needs both arms"
 
 
 def test_slingshot_summary_gives_each_pilot_its_conditions_ratio_and_verdict():
-    from stiefel_attention.report import grok_markdown, grok_summary
+    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
 
     records = []
     for op, grok_epoch in (("/", None), ("+", 3000)):
         for arm, iso in (("adamw", 15.0), ("stiefel-adam", 1e-6)):
-            rec = _fake_grok_record(op, arm, 0, grok_epoch if arm == "stiefel-adam" else None, 0.99 if grok_epoch and arm == "stiefel-adam" else 0.02)
+            rec = _fake_grok_record(
+                op,
+                arm,
+                0,
+                grok_epoch if arm == "stiefel-adam" else None,
+                0.99 if grok_epoch and arm == "stiefel-adam" else 0.02,
+            )
             cfg = grok.cells("slingshot", "cpu")[0].config
             rec["config"] = dict(cfg, op=op, arm=arm, epochs=40000)
             rec["metrics"]["max_qk_isometry"] = iso
             if arm == "stiefel-adam" and grok_epoch:
-                rec["metrics"]["collapses"] = [{"epoch": 5000, "survived": True, "train_loss_before": 1e-7, "train_loss_peak": 1e-1,
-                                                "val_acc_before": 0.99, "val_acc_min": 0.5}]
+                rec["metrics"]["collapses"] = [
+                    {
+                        "epoch": 5000,
+                        "survived": True,
+                        "train_loss_before": 1e-7,
+                        "train_loss_peak": 1e-1,
+                        "val_acc_before": 0.99,
+                        "val_acc_min": 0.5,
+                    }
+                ]
             records.append(rec)
     summary = grok_summary("slingshot", records)
     assert list(summary["pilots"]) == ["/", "+"]  # the order of grok.SLINGSHOT_OPS
@@ -249,7 +310,9 @@ def test_slingshot_summary_gives_each_pilot_its_conditions_ratio_and_verdict():
     assert div["conditions"].startswith("(a / b) mod 97, train fraction 0.3, 40000 full-batch epochs")
     assert div["isometry_ratio"] == pytest.approx(1.5e7) and add["isometry_ratio"] == pytest.approx(1.5e7)
     assert div["verdict"].startswith("stable grokking does not replicate, the Stiefel arm never groks")
-    assert add["verdict"].startswith("stable grokking replicates, the Stiefel arm groks at epoch 3000 and survives all 1 later collapses")
+    assert add["verdict"].startswith(
+        "stable grokking replicates, the Stiefel arm groks at epoch 3000 and survives all 1 later collapses"
+    )
     md = grok_markdown(summary, "cpu")
     assert md.index("### Pilot (a / b)") < md.index("### Pilot (a + b)")
     assert "- stiefel-adam: collapse at epoch 5000" in md.split("### Pilot (a + b)")[1]

@@ -1,4 +1,4 @@
-"""Contract tests for stiefel_attention.manifold (and the r x r inverse roots in optim).
+"""Contract tests for stiefel_attention.manifold, the r x r inverse roots included.
 
 Tolerances (stated once, used everywhere through `tol`):
 - float64: 1e-12 absolute on quantities of order one (frames, projections, Gram residuals), for
@@ -22,11 +22,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stiefel_attention import optim
+from stiefel_attention import manifold
 from stiefel_attention.manifold import (
+    binomial_series_terms,
     check_frames,
+    inv_sqrt_gram,
     inv_sqrt_spd,
     isometry_error,
+    newton_schulz_iterations,
     polar_retract,
     project_tangent,
     random_frame,
@@ -34,7 +37,6 @@ from stiefel_attention.manifold import (
     sym,
     tangent_error,
 )
-from stiefel_attention.optim import binomial_series_terms, inv_sqrt_gram, newton_schulz_iterations
 
 F32, F64 = torch.float32, torch.float64
 DTYPES = [F32, F64]
@@ -133,9 +135,7 @@ def test_project_tangent_is_orthogonal_projection(batch, d, r, dtype, seed):
     inner = (N.to(F64) * P.to(F64)).sum(dim=(-2, -1))
     assert max_abs(inner) <= t * d * r
     # Pythagoras, an independent consequence
-    assert torch.allclose(
-        fro(G) ** 2, fro(P) ** 2 + fro(N) ** 2, rtol=t, atol=t
-    )
+    assert torch.allclose(fro(G) ** 2, fro(P) ** 2 + fro(N) ** 2, rtol=t, atol=t)
 
 
 @shape_params
@@ -182,9 +182,7 @@ def test_project_tangent_not_identity_on_generic_input():
     assert max_abs(project_tangent(W, G) - G) > 0.1
 
 
-@pytest.mark.parametrize(
-    "wshape,gshape", [((5, 3), (5, 2)), ((5, 3), (4, 3)), ((2, 5, 3), (2, 3, 5))]
-)
+@pytest.mark.parametrize("wshape,gshape", [((5, 3), (5, 2)), ((5, 3), (4, 3)), ((2, 5, 3), (2, 3, 5))])
 def test_project_tangent_shape_mismatch_raises(wshape, gshape):
     W = random_frame(*wshape[:-2], d=wshape[-2], r=wshape[-1], dtype=F64)
     with pytest.raises(ValueError, match="trailing shape"):
@@ -471,9 +469,7 @@ def test_isometry_error_takes_max_over_frames():
     deltas[1, 3] = 0.2
     deltas[0, 2] = 0.01
     W = W + deltas[..., None, None].to(F64) * randn(2, 5, 6, 3, seed=1)
-    per_frame = [
-        float(np.linalg.norm(w.T @ w - np.eye(3))) for w in W.reshape(-1, 6, 3).numpy()
-    ]
+    per_frame = [float(np.linalg.norm(w.T @ w - np.eye(3))) for w in W.reshape(-1, 6, 3).numpy()]
     assert float(isometry_error(W)) == pytest.approx(max(per_frame), rel=1e-12)
     assert max(per_frame) > 5 * sorted(per_frame)[-2]  # the max really is one frame
     assert sorted(per_frame)[-2] > 1e-3  # and is not the only perturbed one
@@ -554,7 +550,7 @@ def test_manifold_functions_validate_frames():
 
 
 # ---------------------------------------------------------------------------------------------
-# inverse square roots: manifold.inv_sqrt_spd and optim.inv_sqrt_gram
+# inverse square roots: manifold.inv_sqrt_spd and manifold.inv_sqrt_gram
 # ---------------------------------------------------------------------------------------------
 
 
@@ -621,7 +617,7 @@ class _BranchSpy:
 
     def __init__(self, monkeypatch):
         self.series = self.ns = self.eigh = 0
-        series, ns, eigh = optim.binomial_series_terms, optim.newton_schulz_iterations, optim.inv_sqrt_spd
+        series, ns, eigh = manifold.binomial_series_terms, manifold.newton_schulz_iterations, manifold.inv_sqrt_spd
         spy = self
 
         def series_spy(*a, **k):
@@ -638,9 +634,9 @@ class _BranchSpy:
             spy.eigh += 1
             return eigh(*a, **k)
 
-        monkeypatch.setattr(optim, "binomial_series_terms", series_spy)
-        monkeypatch.setattr(optim, "newton_schulz_iterations", ns_spy)
-        monkeypatch.setattr(optim, "inv_sqrt_spd", eigh_spy)
+        monkeypatch.setattr(manifold, "binomial_series_terms", series_spy)
+        monkeypatch.setattr(manifold, "newton_schulz_iterations", ns_spy)
+        monkeypatch.setattr(manifold, "inv_sqrt_spd", eigh_spy)
         self.series_degree = self.ns_iters = "not called"
 
     @property

@@ -9,25 +9,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stiefel_attention.bench.arms import ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from stiefel_attention.bench.models import ModularTransformer, PatchViT
 from stiefel_attention.manifold import isometry_error, random_frame
-from stiefel_attention.nn import (
-    QK_MODES,
-    Block,
-    ModularTransformer,
-    PatchViT,
-    StiefelAttention,
-    frames,
-    qk_matrices,
-)
-from stiefel_attention.optim import ARMS, MixedOptimizer, StiefelAdam, StiefelSGD, arm_spec, build_optimizer
+from stiefel_attention.nn import QK_MODES, Block, StiefelAttention, frames, qk_matrices, qk_parameters
+from stiefel_attention.optim import StiefelAdam, StiefelSGD
 
 QK_NAMES = ("w_q", "w_k")
-# Arms whose W_Q, W_K start from the orthonormal frames (all but the 'adamw' baseline).
-ORTHO_ARMS = ("stiefel-adam", "stiefel-sgd", "frozen", "adamw-orthoinit", "no-projector", "coordinate-moment")
+# Arms whose W_Q, W_K start from the orthonormal frames; the rest start from nn.Linear's init.
+ORTHO_ARMS = (
+    "stiefel-adam",
+    "stiefel-sgd",
+    "frozen",
+    "adamw-orthoinit",
+    "no-projector",
+    "coordinate-moment",
+    "orthogonal-param",
+    "stiefel-adam-temp",
+)
+STANDARD_ARMS = ("adamw", "adamw-qk-nodecay", "qk-norm", "muon")
+# Parameters an arm may add to or re-parametrise on the query-key path
+ROUTING = ("w_q", "w_k", "original", "q_gain", "k_gain", "log_temperature")
 
 
 def _is_qk(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in QK_NAMES
+    return name.rsplit(".", 1)[-1] in ROUTING
 
 
 def _tiny_vit(**kw) -> PatchViT:
@@ -43,9 +49,8 @@ def _tiny_mt(**kw) -> ModularTransformer:
 
 
 def _build_arm(factory, arm: str, seed: int):
-    spec = arm_spec(arm)
     torch.manual_seed(seed)
-    model = factory(qk=spec.qk, qk_init=spec.qk_init)
+    model = factory(**attention_options(arm))
     return model, torch.get_rng_state()
 
 
@@ -81,7 +86,7 @@ def _reference_attention(attn: StiefelAttention, x: torch.Tensor) -> torch.Tenso
     for h in range(H):
         q = x @ attn.w_q[h]  # (B, N, r)
         k = x @ attn.w_k[h]  # (B, N, r)
-        v = x @ Wv[h * r:(h + 1) * r].T + bv[h * r:(h + 1) * r]  # (B, N, r)
+        v = x @ Wv[h * r : (h + 1) * r].T + bv[h * r : (h + 1) * r]  # (B, N, r)
         scores = q @ k.transpose(-2, -1) / math.sqrt(r)  # (B, N, N)
         if attn.causal:
             future = torch.triu(torch.ones(N, N, dtype=torch.bool), diagonal=1)
@@ -144,12 +149,11 @@ def test_attention_gradients_reach_qk_in_trainable_modes():
     for qk in QK_MODES:
         attn = StiefelAttention(16, 2, 4, qk=qk)
         attn(x).square().sum().backward()
-        for name in QK_NAMES:
-            g = getattr(attn, name).grad
+        for name, p in attn.qk_parameters():
             if qk == "frozen":
-                assert g is None
+                assert p.grad is None
             else:
-                assert g is not None and g.shape == (2, 16, 4) and g.abs().max() > 0
+                assert p.grad is not None and p.grad.shape == p.shape and p.grad.abs().max() > 0, (qk, name)
         assert attn.w_v.weight.grad is not None and attn.w_o.weight.grad is not None
 
 
@@ -302,7 +306,7 @@ def test_pairing_and_orthonormality_under_float64_default_dtype():
         assert torch.equal(rng, built["stiefel-adam"][1])
         for name, p in model.named_parameters():
             assert p.dtype == torch.float64
-            if not _is_qk(name) or arm != "adamw":
+            if not _is_qk(name) or arm in ("stiefel-sgd", "frozen", "adamw-orthoinit"):
                 assert torch.equal(p, ref[name]), (arm, name)
     for _, W in frames(built["stiefel-adam"][0]):
         assert float(isometry_error(W)) < 1e-12
@@ -332,7 +336,7 @@ PAIRING_FACTORIES = {
 def test_pairing_across_arms(factory_name, seed):
     factory = PAIRING_FACTORIES[factory_name]
     built = {arm: _build_arm(factory, arm, seed) for arm in ARMS}
-    assert set(ORTHO_ARMS) | {"adamw"} == set(ARMS)
+    assert set(ORTHO_ARMS) | set(STANDARD_ARMS) == set(ARMS)
 
     ref_model, ref_rng = built["stiefel-adam"]
     ref_params = dict(ref_model.named_parameters())
@@ -340,38 +344,40 @@ def test_pairing_across_arms(factory_name, seed):
     assert n_qk == 2 * len(ref_model.blocks)
 
     for arm, (model, rng) in built.items():
-        params = dict(model.named_parameters())
-        assert list(params) == list(ref_params), arm  # same names, same order
+        params = {n: p for n, p in model.named_parameters() if not _is_qk(n)}
+        assert list(params) == [n for n in ref_params if not _is_qk(n)], arm  # same names, same order
         # The global RNG stream is in the same place after construction in every arm.
         assert torch.equal(rng, ref_rng), f"RNG state after construction differs for arm {arm!r}"
         for name, p in params.items():
-            if not _is_qk(name):
-                assert torch.equal(p, ref_params[name]), f"{arm}: {name} differs from the stiefel-adam arm"
-        # Buffers too (none expected, but pairing must cover them).
-        for (bn, b), (_, rb) in zip(model.named_buffers(), ref_model.named_buffers()):
-            assert torch.equal(b, rb), f"{arm}: buffer {bn}"
+            assert torch.equal(p, ref_params[name]), f"{arm}: {name} differs from the stiefel-adam arm"
+        # The arm-specific parameters start neutral: gains at 1, log-temperatures at 0.
+        for name, p in model.named_parameters():
+            if name.endswith("_gain"):
+                assert torch.equal(p, torch.ones_like(p)), (arm, name)
+            if name.endswith("log_temperature"):
+                assert torch.equal(p, torch.zeros_like(p)), (arm, name)
 
+    ref_qk = qk_matrices(ref_model)
     for arm in ORTHO_ARMS:
-        params = dict(built[arm][0].named_parameters())
-        for name, p in params.items():
-            if _is_qk(name):
-                assert torch.equal(p, ref_params[name]), f"{arm}: {name} is not the stiefel-adam frame"
-                assert float(isometry_error(p)) < 1e-5
+        for (name, W), (_, W_ref) in zip(qk_matrices(built[arm][0]), ref_qk):
+            # exactly the stiefel-adam frame; through torch's orthogonal parametrization, to round-off
+            tol = 1e-6 if arm == "orthogonal-param" else 0.0
+            torch.testing.assert_close(W, W_ref, rtol=0, atol=tol, msg=lambda m, a=arm, n=name: f"{a} {n}: {m}")
+            assert float(isometry_error(W)) < 1e-5
 
-    adamw = dict(built["adamw"][0].named_parameters())
-    for name, p in adamw.items():
-        if _is_qk(name):
-            assert not torch.equal(p, ref_params[name]), f"adamw: {name} equals the orthonormal frame"
-            d = p.shape[-2]
-            assert p.abs().max() <= 1.0 / math.sqrt(d)
+    adamw_qk = qk_matrices(built["adamw"][0])
+    for arm in STANDARD_ARMS:
+        for (name, W), (_, W_ref), (_, W_adamw) in zip(qk_matrices(built[arm][0]), ref_qk, adamw_qk):
+            assert not torch.equal(W, W_ref), f"{arm}: {name} equals the orthonormal frame"
+            assert torch.equal(W, W_adamw), f"{arm}: {name} is not the adamw arm's init"
+            assert W.abs().max() <= 1.0 / math.sqrt(W.shape[-2])
 
 
 @pytest.mark.parametrize("arm", sorted(ARMS))
 def test_pairing_continues_after_construction(arm):
     """What a training script draws after building the model (data order, dropout) is the same."""
-    spec = arm_spec(arm)
     torch.manual_seed(42)
-    _tiny_vit(qk=spec.qk, qk_init=spec.qk_init)
+    _tiny_vit(**attention_options(arm))
     after = torch.randn(5)
     torch.manual_seed(42)
     _tiny_vit()
@@ -404,10 +410,16 @@ def _expected_qk_names(prefix: str, n_blocks: int) -> list[str]:
 
 
 @pytest.mark.parametrize("model_kind", ["vit", "mt"])
-@pytest.mark.parametrize("qk,qk_init", [("stiefel", None), ("frozen", None), ("euclidean", None), ("euclidean", "orthonormal")])
+@pytest.mark.parametrize(
+    "qk,qk_init", [("stiefel", None), ("frozen", None), ("euclidean", None), ("euclidean", "orthonormal")]
+)
 def test_frames_and_qk_matrices(model_kind, qk, qk_init):
     torch.manual_seed(0)
-    model = _tiny_vit(depth=3, qk=qk, qk_init=qk_init) if model_kind == "vit" else _tiny_mt(n_layers=3, qk=qk, qk_init=qk_init)
+    model = (
+        _tiny_vit(depth=3, qk=qk, qk_init=qk_init)
+        if model_kind == "vit"
+        else _tiny_mt(n_layers=3, qk=qk, qk_init=qk_init)
+    )
     names = _expected_qk_names("", 3)
     params = dict(model.named_parameters())
 
@@ -447,11 +459,13 @@ def test_frames_naming_for_bare_and_nested_modules():
 def test_frames_in_a_mixed_model():
     """Modes are per module: frames() picks exactly the Stiefel ones."""
     torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "a": StiefelAttention(16, 2, 4, qk="stiefel"),
-        "b": StiefelAttention(16, 2, 4, qk="frozen"),
-        "c": StiefelAttention(16, 2, 4, qk="euclidean"),
-    })
+    model = nn.ModuleDict(
+        {
+            "a": StiefelAttention(16, 2, 4, qk="stiefel"),
+            "b": StiefelAttention(16, 2, 4, qk="frozen"),
+            "c": StiefelAttention(16, 2, 4, qk="euclidean"),
+        }
+    )
     assert [n for n, _ in frames(model)] == ["a.w_q", "a.w_k"]
     assert [n for n, _ in frames(model, include_frozen=True)] == ["a.w_q", "a.w_k", "b.w_q", "b.w_k"]
     assert [n for n, _ in qk_matrices(model)] == ["a.w_q", "a.w_k", "b.w_q", "b.w_k", "c.w_q", "c.w_k"]
@@ -476,7 +490,9 @@ def test_patchvit_logits_shape(qk):
 
 def test_patchvit_other_geometries():
     torch.manual_seed(0)
-    model = PatchViT(image_size=16, patch_size=8, in_channels=1, num_classes=3, d_model=16, depth=1, n_heads=1, head_dim=16)
+    model = PatchViT(
+        image_size=16, patch_size=8, in_channels=1, num_classes=3, d_model=16, depth=1, n_heads=1, head_dim=16
+    )
     assert model(torch.randn(2, 1, 16, 16)).shape == (2, 3)
     assert model.pos.shape == (1, 4, 16)
 
@@ -493,7 +509,9 @@ def test_patchvit_rejects_indivisible_patches(image_size, patch_size):
 def test_modular_transformer(n_layers, layernorm, qk):
     p = 11
     torch.manual_seed(0)
-    model = ModularTransformer(p, d_model=16, n_heads=2, head_dim=8, d_mlp=32, n_layers=n_layers, layernorm=layernorm, qk=qk)
+    model = ModularTransformer(
+        p, d_model=16, n_heads=2, head_dim=8, d_mlp=32, n_layers=n_layers, layernorm=layernorm, qk=qk
+    )
     tokens = torch.stack([torch.randint(0, p, (6,)), torch.randint(0, p, (6,)), torch.full((6,), p)], dim=1)
     assert tokens.dtype == torch.int64 and tokens.shape == (6, 3)
     out = model(tokens)
@@ -547,47 +565,83 @@ def test_block_residual_structure():
 def test_every_arm_trains_its_model(arm):
     spec = arm_spec(arm)
     torch.manual_seed(0)
-    model = _tiny_vit(depth=1, qk=spec.qk, qk_init=spec.qk_init)
-    opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.1, frame_lr=1e-2)
-    assert isinstance(opt, MixedOptimizer)
+    model = _tiny_vit(depth=1, **attention_options(arm))
+    opts = build_optimizers(model, arm, HyperParameters(lr=1e-3, weight_decay=0.1, frame_lr=1e-2, max_step=0.1))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    qk_before = [W.detach().clone() for _, W in qk_matrices(model)]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
     for _ in range(2):
         loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
         loss.backward()
-        opt.step()
-    after = dict(model.named_parameters())
-    for name, p in after.items():
+        for o in opts:
+            o.step()
+    for name, p in model.named_parameters():
         moved = not torch.equal(p, before[name])
-        if _is_qk(name) and spec.qk == "frozen":
-            assert not moved, f"{arm}: frozen {name} moved"
-        elif _is_qk(name) and spec.qk == "stiefel":
-            assert moved, f"{arm}: frame {name} was not stepped"
-            assert float(isometry_error(p)) < 1e-5
-        else:
-            assert moved, f"{arm}: {name} was not stepped"
+        assert moved == p.requires_grad, f"{arm}: {name} moved={moved}, requires_grad={p.requires_grad}"
+    for (name, W), W0 in zip(qk_matrices(model), qk_before):
+        assert torch.equal(W, W0) == (spec.qk == "frozen"), f"{arm}: {name}"
+        if spec.qk != "euclidean":  # frames, frozen frames, and frames by parametrization stay orthonormal
+            assert float(isometry_error(W)) < 1e-5, f"{arm}: {name}"
+    # every trainable parameter is stepped by exactly one optimizer
+    stepped = [id(p) for o in opts for g_ in o.param_groups for p in g_["params"]]
+    assert sorted(stepped) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    frame_groups = [g_ for o in opts for g_ in o.param_groups if g_.get("stiefel")]
+    assert {id(p) for g_ in frame_groups for p in g_["params"]} == {id(p) for _, p in frames(model)}
     if spec.qk == "stiefel":
-        frame_opt = opt.optimizers["frames"]
-        assert isinstance(frame_opt, StiefelAdam if spec.frame_rule == "adam" else StiefelSGD)
-        assert {id(p) for g_ in frame_opt.param_groups for p in g_["params"]} == {id(p) for _, p in frames(model)}
-    else:
-        assert "frames" not in opt.optimizers
+        expected = StiefelSGD if arm == "stiefel-sgd" else StiefelAdam
+        assert all(isinstance(o, expected) for o in opts if any(g_.get("stiefel") for g_ in o.param_groups))
 
 
-def test_build_optimizer_rejects_model_of_other_mode():
+def test_muon_arm_steps_qk_with_torchs_muon_on_linear_shaped_matrices():
     torch.manual_seed(0)
+    model = _tiny_vit(depth=1, **attention_options("muon"))
+    hp = HyperParameters(lr=1e-3, weight_decay=0.1, frame_lr=2e-3)
+    rest, muon = build_optimizers(model, "muon", hp)
+    assert type(muon) is torch.optim.Muon and isinstance(rest, StiefelAdam)
+    qk = [p for _, p in qk_parameters(model)]
+    assert [id(p) for p in muon.param_groups[0]["params"]] == [id(p) for p in qk]
+    attn = model.blocks[0].attn
+    assert all(p.shape == (attn.n_heads * attn.head_dim, attn.d_model) for p in qk)  # nn.Linear's layout
+    g = muon.param_groups[0]
+    assert (g["lr"], g["weight_decay"], g["adjust_lr_fn"]) == (2e-3, 0.1, "match_rms_adamw")
+    assert not any(id(p) in {id(q) for q in qk} for g_ in rest.param_groups for p in g_["params"])
+
+
+@pytest.mark.parametrize(
+    "arm,decayed", [("adamw", True), ("adamw-qk-nodecay", False), ("qk-norm", True), ("orthogonal-param", False)]
+)
+def test_which_arms_decay_qk(arm, decayed):
+    torch.manual_seed(0)
+    model = _tiny_vit(depth=1, **attention_options(arm))
+    (opt,) = build_optimizers(model, arm, HyperParameters(lr=1e-3, weight_decay=0.1, frame_lr=5e-3))
+    decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    lr = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    for _, p in qk_parameters(model):
+        assert (decay[id(p)] == 0.1) == decayed
+        assert lr[id(p)] == (5e-3 if arm_spec(arm).swept == "frame_lr" else 1e-3)
+    assert decay[id(model.head.weight)] == 0.1 and decay[id(model.head.bias)] == 0.0
+    assert arm_spec(arm).decays_qk == decayed
+
+
+def test_build_optimizers_rejects_model_of_other_mode_and_unknown_arms():
+    torch.manual_seed(0)
+    hp = HyperParameters(lr=1e-3, weight_decay=0.0)
     with pytest.raises(ValueError, match="needs a model built with qk='stiefel'"):
-        build_optimizer(_tiny_vit(qk="euclidean"), "stiefel-adam", lr=1e-3, weight_decay=0.0)
+        build_optimizers(_tiny_vit(qk="euclidean"), "stiefel-adam", hp)
     with pytest.raises(ValueError, match="needs a model built with qk='euclidean'"):
-        build_optimizer(_tiny_vit(), "adamw", lr=1e-3, weight_decay=0.0)
+        build_optimizers(_tiny_vit(), "adamw", hp)
+    with pytest.raises(ValueError) as info:
+        build_optimizers(_tiny_vit(), "stiefel-adamw", hp)
+    assert "'stiefel-adamw'" in str(info.value) and all(name in str(info.value) for name in ARMS)
 
 
 def test_training_overfits_a_fixed_batch_and_keeps_frames_orthonormal():
     torch.manual_seed(0)
     model = PatchViT(d_model=32, depth=1, n_heads=2, head_dim=8)
-    opt = build_optimizer(model, "stiefel-adam", lr=3e-3, weight_decay=0.0, frame_lr=3e-2)
+    (opt,) = build_optimizers(model, "stiefel-adam", HyperParameters(lr=3e-3, weight_decay=0.0, frame_lr=3e-2))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (32,), generator=g)
@@ -616,7 +670,7 @@ def test_training_overfits_a_fixed_batch_and_keeps_frames_orthonormal():
 def _compile_run(compiled: bool, steps: int = 3):
     torch.manual_seed(0)
     model = PatchViT(image_size=16, patch_size=4, d_model=16, depth=1, n_heads=2, head_dim=8)
-    opt = build_optimizer(model, "stiefel-adam", lr=3e-3, weight_decay=0.01, frame_lr=3e-2)
+    (opt,) = build_optimizers(model, "stiefel-adam", HyperParameters(lr=3e-3, weight_decay=0.01, frame_lr=3e-2))
     fwd = torch.compile(model, backend="aot_eager") if compiled else model
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 3, 16, 16, generator=g)
@@ -671,3 +725,97 @@ def test_torch_compile_fullgraph_no_graph_breaks():
             torch.testing.assert_close(compiled(tokens), mt(tokens), rtol=0, atol=1e-5)
     finally:
         torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# Query-key options: qk_norm, temperature, parametrized frames, the nn.Linear layout
+# ---------------------------------------------------------------------------------------------
+
+
+def _hand_logits(attn: StiefelAttention, x: torch.Tensor, h: int) -> torch.Tensor:
+    """Head h's logits written out: RMSNorm with gains, then exp(t_h) and 1/sqrt(r)."""
+    q, k = x @ attn.w_q[h], x @ attn.w_k[h]  # (B, N, r)
+    if attn.qk_norm:
+        q = q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * attn.q_gain
+        k = k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * attn.k_gain
+    scale = math.exp(float(attn.log_temperature[h].detach())) if attn.temperature else 1.0
+    return scale * (q @ k.transpose(-2, -1)) / math.sqrt(attn.head_dim)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(qk="euclidean", qk_norm=True), dict(temperature=True), dict(qk="euclidean", qk_norm=True, temperature=True)],
+    ids=str,
+)
+def test_qk_norm_and_temperature_equal_a_hand_computation(options):
+    torch.manual_seed(13)
+    attn = StiefelAttention(8, 2, 4, causal=True, **options).double()
+    with torch.no_grad():  # move the neutral initial gains and temperatures
+        for name in ("q_gain", "k_gain", "log_temperature"):
+            if hasattr(attn, name):
+                getattr(attn, name).normal_()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    logits = attn.logits(x)
+    mask = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+    Wv, Wo = attn.w_v.weight, attn.w_o.weight
+    heads = []
+    for h in range(2):
+        want = _hand_logits(attn, x, h).masked_fill(mask, float("-inf"))
+        torch.testing.assert_close(logits[:, h], want, rtol=0, atol=1e-12)
+        v = x @ Wv[4 * h : 4 * (h + 1)].T + attn.w_v.bias[4 * h : 4 * (h + 1)]
+        heads.append(torch.softmax(want, dim=-1) @ v)
+    with torch.no_grad():
+        out = torch.cat(heads, dim=-1) @ Wo.T + attn.w_o.bias
+        torch.testing.assert_close(attn(x), out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(attn.forward_last(x), attn(x)[:, -1:], rtol=0, atol=1e-12)
+    # gains 1 and temperature 0 (the initial values) are neutral for the temperature
+    fresh = StiefelAttention(8, 2, 4, temperature=True).double()
+    plain = StiefelAttention(8, 2, 4).double()
+    plain.load_state_dict({k: v for k, v in fresh.state_dict().items() if k != "log_temperature"})
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), plain(x), rtol=0, atol=1e-12)
+
+
+def test_parametrized_frames_stay_orthonormal_under_adamw():
+    torch.manual_seed(14)
+    attn = StiefelAttention(32, 4, 8, qk="parametrized")
+    start = attn.w_q.detach().clone()
+    opt = torch.optim.AdamW(attn.parameters(), lr=1e-2, weight_decay=0.0)
+    x = torch.randn(4, 6, 32)
+    for _ in range(50):
+        opt.zero_grad()
+        attn(x).square().mean().backward()
+        opt.step()
+    for name in QK_NAMES:
+        assert float(isometry_error(getattr(attn, name))) < 1e-5, name
+    assert (attn.w_q - start).abs().max() > 1e-2  # it moved
+    assert [n for n, _ in attn.qk_parameters()] == ["parametrizations.w_q.original", "parametrizations.w_k.original"]
+    assert frames(attn) == []  # not a Stiefel frame: a Euclidean optimizer steps it
+
+
+def test_parametrization_leaves_the_global_rng_where_other_modes_do():
+    torch.manual_seed(15)
+    StiefelAttention(16, 2, 4, qk="parametrized")
+    after = torch.randn(3)
+    torch.manual_seed(15)
+    StiefelAttention(16, 2, 4)
+    assert torch.equal(after, torch.randn(3))
+
+
+def test_linear_layout_computes_the_same_attention():
+    torch.manual_seed(16)
+    heads = StiefelAttention(16, 2, 4, qk="euclidean")
+    torch.manual_seed(16)
+    linear = StiefelAttention(16, 2, 4, qk="euclidean", qk_layout="linear")
+    assert torch.equal(linear.w_q, heads.w_q) and torch.equal(linear.w_k, heads.w_k)
+    (name, flat), _ = linear.qk_parameters()
+    assert name == "parametrizations.w_q.original" and flat.shape == (8, 16)
+    # row h*r + j of the nn.Linear-shaped matrix is column j of head h
+    torch.testing.assert_close(flat[4 * 1 + 2], heads.w_q[1, :, 2], rtol=0, atol=0)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x), heads(x), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="qk_layout='linear' is for Euclidean"):
+        StiefelAttention(16, 2, 4, qk="stiefel", qk_layout="linear")
+    with pytest.raises(ValueError, match="qk_layout must be one of"):
+        StiefelAttention(16, 2, 4, qk="euclidean", qk_layout="fused")

@@ -1,4 +1,4 @@
-"""Contract tests for stiefel_attention.optim: StiefelAdam, StiefelSGD, MixedOptimizer, build_optimizer.
+"""Contract tests for stiefel_attention.optim: StiefelAdam, StiefelSGD, param_groups.
 
 Both update paths (batched, the default; and the frame-by-frame reference path, batched=False)
 are checked against each other and against an independent reference written here (per-frame
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 
 import pytest
 import torch
@@ -30,20 +29,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stiefel_attention import optim
 from stiefel_attention.manifold import isometry_error, random_frame
-from stiefel_attention.nn import PatchViT, frames, qk_matrices
-from stiefel_attention.optim import (
-    ARMS,
-    MixedOptimizer,
-    NonFiniteGradientError,
-    StiefelAdam,
-    StiefelSGD,
-    arm_spec,
-    build_optimizer,
-    stiefel_adam,
-)
+from stiefel_attention.nn import frames
+from stiefel_attention.optim import NonFiniteGradientError, StiefelAdam, StiefelSGD, param_groups, stiefel_adam
 
 F32, F64 = torch.float32, torch.float64
 
@@ -132,14 +123,25 @@ class _RefFrames:
 
 
 class RefAdam(_RefFrames):
-    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, max_step=None, weight_decay=0.0,
-                 projector=True, second_moment="frame"):
+    def __init__(
+        self,
+        params,
+        lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        max_step=None,
+        weight_decay=0.0,
+        projector=True,
+        second_moment="frame",
+    ):
         super().__init__(params)
         self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
         self.max_step, self.wd, self.projector, self.second_moment = max_step, weight_decay, projector, second_moment
         self.m = [[torch.zeros_like(w) for w in ws] for ws in self.W]
-        self.v = [[torch.zeros_like(w) if second_moment == "coordinate" else torch.zeros((), dtype=F64) for w in ws]
-                  for ws in self.W]
+        self.v = [
+            [torch.zeros_like(w) if second_moment == "coordinate" else torch.zeros((), dtype=F64) for w in ws]
+            for ws in self.W
+        ]
         self.t = 0
 
     def step(self, grads):
@@ -189,8 +191,11 @@ def run_ref(ref, grads):
 def path_spy(monkeypatch):
     """Counts calls of the batched and single-tensor implementations."""
     calls = {"batched_adam": 0, "single_adam": 0, "batched_retract": 0}
-    for name, key in [("_batched_stiefel_adam", "batched_adam"), ("_single_tensor_stiefel_adam", "single_adam"),
-                      ("_batched_retract", "batched_retract")]:
+    for name, key in [
+        ("_batched_stiefel_adam", "batched_adam"),
+        ("_single_tensor_stiefel_adam", "single_adam"),
+        ("_batched_retract", "batched_retract"),
+    ]:
         fn = getattr(optim, name)
 
         def wrapper(*a, __fn=fn, __key=key, **k):
@@ -523,8 +528,11 @@ def test_trust_region_caps_every_step(batched, opt_name, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ablation", [dict(projector=False), dict(second_moment="coordinate"),
-                                      dict(projector=False, second_moment="coordinate")], ids=str)
+@pytest.mark.parametrize(
+    "ablation",
+    [dict(projector=False), dict(second_moment="coordinate"), dict(projector=False, second_moment="coordinate")],
+    ids=str,
+)
 @pytest.mark.parametrize("max_step", [None, 0.03])
 def test_ablations_follow_their_rule(path_spy, ablation, max_step):
     params0 = make_params(MIXED_SHAPES, seed=5)
@@ -558,8 +566,19 @@ def test_batched_true_with_ablation_is_refused_by_the_functional_api():
     p = make_params([(6, 3)])[0].detach()
     state = [torch.zeros_like(p)], [torch.zeros_like(p)], [torch.tensor(0.0)]
     with pytest.raises(ValueError, match="batched path needs"):
-        stiefel_adam([p], [torch.randn(6, 3, dtype=F64)], *state, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
-                     max_step=None, weight_decay=0.0, second_moment="coordinate", batched=True)
+        stiefel_adam(
+            [p],
+            [torch.randn(6, 3, dtype=F64)],
+            *state,
+            lr=0.1,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            max_step=None,
+            weight_decay=0.0,
+            second_moment="coordinate",
+            batched=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -630,19 +649,8 @@ def test_state_dict_contents():
 
 
 # ---------------------------------------------------------------------------------------------
-# MixedOptimizer / build_optimizer on a small PatchViT
+# One optimizer for a whole model: param_groups, AdamW groups, state_dict, schedulers
 # ---------------------------------------------------------------------------------------------
-
-
-def small_vit(arm: str, seed: int = 0) -> PatchViT:
-    spec = arm_spec(arm)
-    torch.manual_seed(seed)
-    return PatchViT(d_model=32, depth=1, n_heads=2, head_dim=8, qk=spec.qk, qk_init=spec.qk_init)
-
-
-def image_batches(n: int, seed: int):
-    g = gen(seed)
-    return [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(n)]
 
 
 def train(model, opt, data, sched=None):
@@ -658,203 +666,148 @@ def train(model, opt, data, sched=None):
     return losses
 
 
-def test_mixed_optimizer_state_dict_round_trip_with_scheduler():
-    arm = "stiefel-adam"
-    data = image_batches(20, seed=1)
-    model = small_vit(arm)
-    opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.1, frame_lr=0.02)
-    assert isinstance(opt, MixedOptimizer) and set(opt.optimizers) == {"adamw", "frames"}
+def test_adamw_groups_are_torch_adamw_exactly(tiny_model, token_batches):
+    """Groups with stiefel=False step exactly as torch.optim.AdamW does (its functional AdamW, not a copy)."""
+    model_a, model_b = tiny_model(qk="euclidean"), tiny_model(qk="euclidean")
+    opt_a = StiefelAdam(param_groups(model_a, weight_decay=0.1), lr=3e-3, betas=(0.8, 0.95), eps=1e-7)
+    opt_b = torch.optim.AdamW(param_groups(model_b, weight_decay=0.1), lr=3e-3, betas=(0.8, 0.95), eps=1e-7)
+    data = token_batches(6)
+    train(model_a, opt_a, data)
+    train(model_b, opt_b, data)
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert opt_a.state[pa].keys() == opt_b.state[pb].keys()
+        for k in opt_a.state[pa]:
+            assert torch.equal(opt_a.state[pa][k], opt_b.state[pb][k]), k
+
+
+@pytest.mark.parametrize("flags", [dict(foreach=True), dict(fused=True)], ids=["foreach", "fused"])
+def test_adamw_groups_pass_foreach_and_fused_to_torch(tiny_model, token_batches, flags):
+    model_a, model_b = tiny_model(qk="euclidean"), tiny_model(qk="euclidean")
+    opt_a = StiefelAdam(param_groups(model_a, weight_decay=0.1), lr=3e-3, **flags)
+    opt_b = torch.optim.AdamW(param_groups(model_b, weight_decay=0.1), lr=3e-3, **flags)
+    data = token_batches(4)
+    train(model_a, opt_a, data)
+    train(model_b, opt_b, data)
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_param_groups_follow_the_nanogpt_rule_and_exempt_frames(tiny_model):
+    model = tiny_model()
+    groups = param_groups(model, weight_decay=0.1, frame_lr=0.02, max_step=0.1, eps=1e-6)
+    decay, plain, frame_group = groups
+    assert (decay["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
+    assert not decay["stiefel"] and not plain["stiefel"] and frame_group["stiefel"]
+    assert (frame_group["lr"], frame_group["max_step"], frame_group["eps"]) == (0.02, 0.1, 1e-6)
+    assert "weight_decay" not in frame_group  # the optimizer's (a no-op on frames, Proposition 5)
+    ids = {k: {id(p) for p in g["params"]} for k, g in zip(("decay", "plain", "frames"), groups)}
+    assert ids["frames"] == {id(p) for _, p in frames(model)}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            assert {id(module.weight), id(module.bias)} <= ids["plain"], name
+        if isinstance(module, nn.Linear):
+            assert id(module.weight) in ids["decay"], name
+            if module.bias is not None:
+                assert id(module.bias) in ids["plain"], name
+        if isinstance(module, nn.Embedding):
+            assert id(module.weight) in ids["decay"], name
+    # every trainable parameter in exactly one group
+    every = [id(p) for g in groups for p in g["params"]]
+    assert sorted(every) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    # no_decay moves a matrix to the plain group; frozen parameters are left out; empty groups dropped
+    head = model.head.weight
+    assert id(head) in {id(p) for p in param_groups(model, 0.1, no_decay=[head])[1]["params"]}
+    frozen = tiny_model(qk="frozen")
+    assert all(not g["stiefel"] for g in param_groups(frozen, 0.1))
+    assert not any(
+        id(p) in {id(q) for g in param_groups(frozen, 0.1) for q in g["params"]}
+        for p in frozen.blocks[0].attn.parameters()
+        if not p.requires_grad
+    )
+
+
+def test_one_optimizer_trains_a_whole_model(tiny_model, token_batches):
+    model = tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1, frame_lr=0.02), lr=1e-2, max_step=0.1)
+    losses = train(model, opt, token_batches(1) * 40)  # one batch, fitted
+    assert losses[-1] < 0.5 * losses[0]
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, before[name]), f"{name} was not stepped"
+    for name, W in frames(model):
+        assert float(isometry_error(W)) < 1e-5, name
+
+
+@pytest.mark.parametrize("cls", ["adam", "sgd"])
+def test_state_dict_round_trip_with_scheduler_resumes_bit_identically(tiny_model, token_batches, cls):
+    data = token_batches(20)
+
+    def make(model):
+        groups = param_groups(model, weight_decay=0.1, frame_lr=0.02)
+        if cls == "adam":
+            return StiefelAdam(groups, lr=3e-3, max_step=0.1)
+        return StiefelSGD(groups, lr=3e-3, momentum=0.9)
+
+    model = tiny_model()
+    opt = make(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     train(model, opt, data[:10], sched)
-    model_sd = copy.deepcopy(model.state_dict())
     buf = io.BytesIO()
-    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
     buf.seek(0)
     train(model, opt, data[10:], sched)  # -> A
 
-    model_b = small_vit(arm, seed=99)
-    model_b.load_state_dict(model_sd)
-    opt_b = build_optimizer(model_b, arm, lr=1e-3, weight_decay=0.1, frame_lr=0.02)
+    model_b = tiny_model(seed=99)
+    opt_b = make(model_b)
     sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=3, gamma=0.5)
     ck = torch.load(buf)
+    model_b.load_state_dict(ck["model"])
     opt_b.load_state_dict(ck["opt"])
     sched_b.load_state_dict(ck["sched"])
-    # the mixed optimizer's groups are (again) the inner optimizers' group dicts
-    inner = [g for o in opt_b.optimizers.values() for g in o.param_groups]
-    assert len(opt_b.param_groups) == len(inner) and all(a is b for a, b in zip(opt_b.param_groups, inner))
     train(model_b, opt_b, data[10:], sched_b)  # -> B
 
-    for (na, a), (nb, b) in zip(model.named_parameters(), model_b.named_parameters()):
-        assert na == nb
-        assert torch.equal(a, b), na
-    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in opt_b.param_groups]
-    # 20 scheduler steps with step_size 3: lr halved 6 times, in every inner group
-    assert opt.optimizers["frames"].param_groups[0]["lr"] == pytest.approx(0.02 * 0.5**6, rel=1e-12)
-    assert all(g["lr"] == pytest.approx(1e-3 * 0.5**6, rel=1e-12) for g in opt.optimizers["adamw"].param_groups)
-    for _, p in frames(model_b):
-        assert float(isometry_error(p)) < 1e-5
-
-
-def test_mixed_optimizer_round_trip_without_scheduler_deepcopy():
-    arm = "stiefel-sgd"
-    data = image_batches(8, seed=2)
-    model = small_vit(arm)
-    opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.05, frame_lr=0.01)
-    train(model, opt, data[:4])
-    model_sd, opt_sd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    assert set(opt_sd) == {"adamw", "frames"}
-    train(model, opt, data[4:])
-    model_b = small_vit(arm, seed=5)
-    model_b.load_state_dict(model_sd)
-    opt_b = build_optimizer(model_b, arm, lr=1e-3, weight_decay=0.05, frame_lr=0.01)
-    opt_b.load_state_dict(opt_sd)
-    train(model_b, opt_b, data[4:])
-    for a, b in zip(model.parameters(), model_b.parameters()):
-        assert torch.equal(a, b)
-
-
-def test_scheduler_lr_reaches_both_inner_optimizers(monkeypatch):
-    arm = "stiefel-adam"
-    model = small_vit(arm)
-    opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.1, frame_lr=0.02)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
-    seen = []
-    real = optim.stiefel_adam
-    monkeypatch.setattr(optim, "stiefel_adam", lambda *a, **k: (seen.append(k["lr"]), real(*a, **k))[1])
-    adamw_lrs = []
-    real_adamw_step = opt.optimizers["adamw"].step
-
-    def adamw_step(*a, **k):
-        adamw_lrs.append([g["lr"] for g in opt.optimizers["adamw"].param_groups])
-        return real_adamw_step(*a, **k)
-
-    opt.optimizers["adamw"].step = adamw_step
-    train(model, opt, image_batches(3, seed=0), sched)
-    assert seen == pytest.approx([0.02, 0.002, 0.0002], rel=1e-12)
-    assert [lrs[0] for lrs in adamw_lrs] == pytest.approx([1e-3, 1e-4, 1e-5], rel=1e-12)
-    assert all(len(set(lrs)) == 1 for lrs in adamw_lrs)
-
-    # after load_state_dict (which replaces the inner group dicts) the scheduler still reaches them
-    sd = copy.deepcopy(opt.state_dict())
-    opt.load_state_dict(sd)
-    sched.step()
-    assert opt.optimizers["frames"].param_groups[0]["lr"] == pytest.approx(0.02 * 1e-4, rel=1e-12)
-    assert all(g["lr"] == pytest.approx(1e-3 * 1e-4, rel=1e-12) for g in opt.optimizers["adamw"].param_groups)
-
-
-def test_mixed_optimizer_load_state_dict_rejects_wrong_names():
-    model = small_vit("stiefel-adam")
-    opt = build_optimizer(model, "stiefel-adam", lr=1e-3, weight_decay=0.1)
+    for (name, a), b in zip(model.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+    # torch's layout: one state dict per parameter index, groups with their hyper-parameters
     sd = opt.state_dict()
-    with pytest.raises(ValueError, match="expected"):
-        opt.load_state_dict({"adamw": sd["adamw"]})
-    with pytest.raises(ValueError, match="at least one"):
-        MixedOptimizer({})
+    assert set(sd) == {"state", "param_groups"}
+    assert len(sd["state"]) == sum(1 for p in model.parameters() if p.requires_grad)
+    # 20 scheduler steps with step_size 3: every group's lr halved 6 times
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([3e-3 * 0.5**6] * 2 + [0.02 * 0.5**6], rel=1e-12)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in opt_b.param_groups]
 
 
-@pytest.mark.parametrize("arm", list(ARMS))
-def test_build_optimizer_every_arm_trains(arm):
-    spec = arm_spec(arm)
-    model = small_vit(arm)
+def test_scheduler_lr_reaches_frames_and_adamw_groups(tiny_model, token_batches, monkeypatch):
+    model = tiny_model()
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1, frame_lr=0.02), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    frame_lrs, adamw_lrs = [], []
+    real_frames, real_adamw = optim.stiefel_adam, optim._torch_adamw
+    monkeypatch.setattr(optim, "stiefel_adam", lambda *a, **k: (frame_lrs.append(k["lr"]), real_frames(*a, **k))[1])
+    monkeypatch.setattr(optim, "_torch_adamw", lambda *a, **k: (adamw_lrs.append(k["lr"]), real_adamw(*a, **k))[1])
+    train(model, opt, token_batches(3), sched)
+    assert frame_lrs == pytest.approx([0.02, 0.002, 0.0002], rel=1e-12)
+    assert adamw_lrs == pytest.approx([1e-3, 1e-3, 1e-4, 1e-4, 1e-5, 1e-5], rel=1e-12)  # two AdamW groups
+
+
+def test_non_finite_gradient_anywhere_leaves_the_model_unchanged(tiny_model, token_batches):
+    model = tiny_model()
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-3)
+    train(model, opt, token_batches(2))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    qk_before = [p.detach().clone() for _, p in qk_matrices(model)]
-    opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.1, frame_lr=0.02)
-    losses = train(model, opt, image_batches(3, seed=0))
-    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
-
-    frame_params = frames(model)
-    if spec.qk == "stiefel":
-        assert "frames" in opt.optimizers
-        expected_cls = StiefelAdam if spec.frame_rule == "adam" else StiefelSGD
-        assert isinstance(opt.optimizers["frames"], expected_cls)
-        group = opt.optimizers["frames"].param_groups[0]
-        if spec.frame_rule == "adam":
-            assert group["projector"] == spec.projector and group["second_moment"] == spec.second_moment
-        assert {id(p) for p in group["params"]} == {id(p) for _, p in frame_params}
-        assert len(frame_params) == 2
-        for (_, p), q0 in zip(frame_params, qk_before):
-            assert float(isometry_error(p)) < 1e-5
-            assert not torch.equal(p, q0)  # the frames were stepped
-    elif spec.qk == "frozen":
-        assert "frames" not in opt.optimizers and not frame_params
-        for (_, p), q0 in zip(qk_matrices(model), qk_before):
-            assert torch.equal(p, q0)
-            assert float(isometry_error(p)) < 1e-5
-    else:  # euclidean: W_Q, W_K are ordinary weights stepped by AdamW
-        assert "frames" not in opt.optimizers
-        for (_, p), q0 in zip(qk_matrices(model), qk_before):
-            assert not torch.equal(p, q0)
-    # the rest of the model trains in every arm
-    assert not torch.equal(model.head.weight, before["head.weight"])
-
-
-@pytest.mark.parametrize("arm", list(ARMS))
-def test_build_optimizer_parameter_groups(arm):
-    spec = arm_spec(arm)
-    model = small_vit(arm)
-    opt = build_optimizer(model, arm, lr=1e-3, weight_decay=0.1)
-    adamw = opt.optimizers["adamw"]
-    assert isinstance(adamw, torch.optim.AdamW)
-    decay, no_decay = adamw.param_groups
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    decay_ids = {id(p) for p in decay["params"]}
-    no_decay_ids = {id(p) for p in no_decay["params"]}
-    qk_ids = {id(p) for _, p in qk_matrices(model)}
-    # biases and LayerNorm gains/biases: no decay
-    for name, module in model.named_modules():
-        if isinstance(module, nn.LayerNorm):
-            assert id(module.weight) in no_decay_ids and id(module.bias) in no_decay_ids, name
-        if isinstance(module, (nn.Linear, nn.Conv2d)):
-            assert id(module.bias) in no_decay_ids, name
-            assert id(module.weight) in decay_ids, name
-    assert id(model.pos) in decay_ids
-    all_ids = decay_ids | no_decay_ids
-    frame_ids = set()
-    if "frames" in opt.optimizers:
-        frame_ids = {id(p) for g in opt.optimizers["frames"].param_groups for p in g["params"]}
-    if spec.qk == "stiefel":
-        assert frame_ids == qk_ids and not (qk_ids & all_ids)
-    elif spec.qk == "frozen":
-        assert not frame_ids and not (qk_ids & all_ids)
-    else:
-        assert qk_ids <= decay_ids and not frame_ids
-    # every trainable parameter is stepped by exactly one optimizer
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    assert all_ids | frame_ids == trainable and not (all_ids & frame_ids)
-    # and the mixed optimizer exposes all inner groups
-    assert len(opt.param_groups) == sum(len(o.param_groups) for o in opt.optimizers.values())
-
-
-def test_build_optimizer_frame_hyperparameters():
-    model = small_vit("stiefel-adam")
-    opt = build_optimizer(model, "stiefel-adam", lr=1e-3, weight_decay=0.1, frame_lr=0.05, frame_eps=1e-6,
-                          max_step=0.2, betas=(0.8, 0.9))
-    g = opt.optimizers["frames"].param_groups[0]
-    assert (g["lr"], g["eps"], g["max_step"], g["betas"], g["weight_decay"]) == (0.05, 1e-6, 0.2, (0.8, 0.9), 0.1)
-    opt = build_optimizer(small_vit("stiefel-sgd"), "stiefel-sgd", lr=1e-3, weight_decay=0.1, sgd_momentum=0.7)
-    g = opt.optimizers["frames"].param_groups[0]
-    assert (g["lr"], g["momentum"]) == (1e-3, 0.7)
-
-
-@pytest.mark.parametrize("model_arm,arm", [("stiefel-adam", "adamw"), ("adamw", "stiefel-adam"),
-                                           ("frozen", "stiefel-sgd"), ("stiefel-adam", "frozen")])
-def test_build_optimizer_mismatched_model_raises(model_arm, arm):
-    model = small_vit(model_arm)
-    with pytest.raises(ValueError) as info:
-        build_optimizer(model, arm, lr=1e-3, weight_decay=0.1)
-    msg = str(info.value)
-    assert repr(arm) in msg and f"qk={arm_spec(arm).qk!r}" in msg
-
-
-def test_unknown_arm_raises_listing_arms():
-    with pytest.raises(ValueError) as info:
-        build_optimizer(small_vit("adamw"), "stiefel-adamw", lr=1e-3, weight_decay=0.1)
-    msg = str(info.value)
-    assert "'stiefel-adamw'" in msg
-    for name in ARMS:
-        assert name in msg
-    with pytest.raises(ValueError, match="choose one of"):
-        arm_spec("")
+    state_before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    ((x, y),) = token_batches(1, seed=5)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    model.head.bias.grad[0] = float("inf")  # an AdamW parameter only
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[1\]"):
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, state_before[n][k]), (n, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1006,21 +959,6 @@ def test_non_finite_gradient_message_names_group_index():
     assert "[1]" in str(info.value)
 
 
-def test_mixed_optimizer_non_finite_step_leaves_model_unchanged():
-    model = small_vit("stiefel-adam")
-    opt = build_optimizer(model, "stiefel-adam", lr=1e-3, weight_decay=0.1)
-    train(model, opt, image_batches(2, seed=0))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    x, y = image_batches(1, seed=1)[0]
-    x[0, 0, 0, 0] = float("nan")
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    with pytest.raises(NonFiniteGradientError):
-        opt.step()
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n]), n
-
-
 def test_non_finite_gradient_first_step_leaves_frames():
     ps = make_params([(6, 3), (6, 3)], seed=0)
     before = [p.detach().clone() for p in ps]
@@ -1095,8 +1033,11 @@ def test_frames_without_grad_are_skipped(batched, opt_name):
     # the others did step, exactly as they would alone
     alone = make_params(shapes, seed=0)
     alone = [alone[0], alone[2]]
-    opt2 = StiefelAdam(alone, lr=0.05, batched=batched) if opt_name == "adam" else \
-        StiefelSGD(alone, lr=0.01, momentum=0.9, batched=batched)
+    opt2 = (
+        StiefelAdam(alone, lr=0.05, batched=batched)
+        if opt_name == "adam"
+        else StiefelSGD(alone, lr=0.01, momentum=0.9, batched=batched)
+    )
     run(opt2, alone, [[G[0], G[2]] for G in grad_seq(shapes, 5, seed=1)])
     assert max_diff([ps[0], ps[2]], alone) <= 1e-15
 
@@ -1142,3 +1083,141 @@ def test_non_contiguous_frame_trains_through_autograd():
         opt.step()
     assert float(isometry_error(p)) <= 1e-13
     assert not torch.equal(p, W0)
+
+
+# ---------------------------------------------------------------------------------------------
+# nonfinite="skip" and the step without host syncs
+# ---------------------------------------------------------------------------------------------
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Fails on aten._local_scalar_dense, which every .item(), bool() and float() of a tensor goes through."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("device-to-host synchronisation (.item()/bool()/float() of a tensor) in step()")
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_mode_catches_item():
+    with pytest.raises(AssertionError, match="host synchronisation"), _NoHostSync():
+        float(torch.ones(()) + 1)
+
+
+@pytest.mark.parametrize("cls", ["adam", "sgd"])
+def test_skip_mode_with_max_step_steps_without_host_syncs(tiny_model, token_batches, cls):
+    """The sync-free configuration: max_step set, nonfinite='skip', AdamW groups fused."""
+    model = tiny_model()
+    groups = param_groups(model, weight_decay=0.1, frame_lr=0.02)
+    kw = dict(max_step=0.1, nonfinite="skip", fused=True)
+    opt = StiefelAdam(groups, lr=3e-3, **kw) if cls == "adam" else StiefelSGD(groups, lr=3e-3, momentum=0.9, **kw)
+    data = token_batches(4)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with _NoHostSync():
+            opt.step()
+    for name, W in frames(model):
+        assert float(isometry_error(W)) < 1e-5, name
+    # the default (raise) mode does read the device back, which is what the guard detects
+    opt_raise = StiefelAdam(param_groups(model, weight_decay=0.1), lr=3e-3, max_step=0.1)
+    F.cross_entropy(model(data[0][0]), data[0][1]).backward()
+    with pytest.raises(AssertionError, match="host synchronisation"), _NoHostSync():
+        opt_raise.step()
+
+
+@pytest.mark.parametrize("cls", ["adam", "sgd", "sgd-nomomentum"])
+@pytest.mark.parametrize("batched", [None, False])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_skip_mode_leaves_a_bad_frame_and_its_moments_untouched(cls, batched, bad_value):
+    """Frame 1 of a (3, 6, 3) tensor gets a non-finite gradient at step 4: it and its moments stay as they
+    were; every other frame steps exactly as in a run where frame 1's gradient was finite."""
+    shape = [(3, 6, 3)]
+    params0 = make_params(shape, seed=0)
+    grads = grad_seq(shape, 8, seed=1)
+    bad = [[G.clone() for G in step] for step in grads]
+    bad[4][0][1, 2, 0] = bad_value
+
+    def make(ps):
+        if cls == "adam":
+            return StiefelAdam(ps, lr=0.05, max_step=0.1, nonfinite="skip", batched=batched)
+        return StiefelSGD(
+            ps,
+            lr=0.05,
+            momentum=0.0 if cls == "sgd-nomomentum" else 0.9,
+            max_step=0.1,
+            nonfinite="skip",
+            batched=batched,
+        )
+
+    ps = clone_params(params0)
+    opt = make(ps)
+    run(opt, ps, bad[:4])
+    frame1, state1 = ps[0][1].detach().clone(), state_copy(opt, ps)[0]
+    run(opt, ps, bad[4:5])
+    assert torch.equal(ps[0][1], frame1)
+    for k, v in opt.state[ps[0]].items():
+        if k != "step" and v.dim() > 0:
+            assert torch.equal(v[1], state1[k][1]), k
+    assert all(torch.isfinite(v).all() for v in opt.state[ps[0]].values())
+    run(opt, ps, bad[5:])
+    # the other frames: as in a run that never saw the bad entry
+    pr = clone_params(params0)
+    run(make(pr), pr, grads)
+    assert torch.equal(ps[0][0], pr[0][0]) and torch.equal(ps[0][2], pr[0][2])
+    assert not torch.equal(ps[0][1], pr[0][1])
+    assert float(isometry_error(ps[0])) <= 1e-13
+
+
+def test_skip_mode_equals_raise_mode_on_finite_gradients():
+    """Same rule, other arithmetic for the bias corrections and the inverse root: equal to round-off."""
+    params0 = make_params(MIXED_SHAPES, seed=2)
+    grads = grad_seq(MIXED_SHAPES, 15, seed=3)
+    pa, pb = clone_params(params0), clone_params(params0)
+    run(StiefelAdam(pa, lr=0.05, max_step=0.1), pa, grads)
+    run(StiefelAdam(pb, lr=0.05, max_step=0.1, nonfinite="skip"), pb, grads)
+    assert max_diff(pa, pb) <= 1e-12
+
+
+def test_skip_mode_skips_an_adamw_group_with_a_non_finite_gradient(tiny_model, token_batches):
+    for fused in (None, True):
+        model = tiny_model()
+        opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=3e-3, max_step=0.1, nonfinite="skip", fused=fused)
+        ((x, y),) = token_batches(1)
+        F.cross_entropy(model(x), y).backward()
+        model.head.weight.grad[0, 0] = float("nan")  # in the decay group
+        decay_group = [id(p) for p in opt.param_groups[0]["params"]]
+        before = {id(p): p.detach().clone() for p in model.parameters()}
+        opt.step()
+        for p in model.parameters():
+            moved = not torch.equal(p, before[id(p)])
+            assert moved == (id(p) not in decay_group), (fused, p.shape)
+
+
+def test_invalid_nonfinite_mode():
+    with pytest.raises(ValueError, match="nonfinite"):
+        StiefelAdam(make_params([(6, 3)]), nonfinite="ignore")
+
+
+def test_step_under_torch_compile_matches_eager(tiny_model, token_batches):
+    torch._dynamo.reset()
+    try:
+        data = token_batches(3)
+        runs = []
+        for compiled in (False, True):
+            model = tiny_model()
+            opt = StiefelAdam(
+                param_groups(model, weight_decay=0.1, frame_lr=0.02), lr=3e-3, max_step=0.1, nonfinite="skip"
+            )
+            step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+            for x, y in data:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                step()
+            runs.append(model)
+        for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        for name, W in frames(runs[1]):
+            assert float(isometry_error(W)) < 1e-5, name
+    finally:
+        torch._dynamo.reset()

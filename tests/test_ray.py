@@ -18,7 +18,7 @@ if os.environ.get("CI"):
 else:
     ray = pytest.importorskip("ray")
 
-from stiefel_attention import cli  # noqa: E402
+from stiefel_attention.bench import cli  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -112,7 +112,8 @@ def test_ray_sweep_retries_a_killed_worker_and_equals_local(local_ray_cluster, t
 
 
 def test_ray_reports_a_run_that_keeps_failing_after_its_retries(local_ray_cluster, tmp_path, capsys):
-    from stiefel_attention.runner import Cell, RayExecutor, run_cells
+    from stiefel_attention.bench.records import Cell
+    from stiefel_attention.bench.runner import RayExecutor, run_cells
 
     bad = Cell("no-such-family", "bad-s0", {"seed": 0})  # execute_cell raises ValueError in the worker
     executor = RayExecutor(retries=1)
@@ -120,6 +121,8 @@ def test_ray_reports_a_run_that_keeps_failing_after_its_retries(local_ray_cluste
     assert records == {} and len(failures) == 1
     cell, err = failures[0]
     assert cell.key == bad.key and isinstance(err, ValueError) and "unknown experiment family" in str(err)
-    assert executor.retried == [("bad-s0", 1, "ValueError: unknown experiment family 'no-such-family'")]
+    assert executor.retried == [
+        ("bad-s0", 1, "ValueError: unknown experiment family 'no-such-family'; registered: cifar, grok")
+    ]
     assert "retrying (1/1)" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))

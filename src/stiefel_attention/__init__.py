@@ -1,13 +1,23 @@
 """stiefel-attention: attention with W_Q, W_K as frames on St(d, r), trained by a Riemannian Adam."""
 
 from .manifold import isometry_error, polar_retract, project_tangent, random_frame
-from .nn import ModularTransformer, PatchViT, StiefelAttention, frames, qk_matrices, qk_parameters
+from .nn import Block, StiefelAttention, frames, qk_matrices, qk_parameters
 from .optim import NonFiniteGradientError, StiefelAdam, StiefelSGD, param_groups
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "isometry_error", "polar_retract", "project_tangent", "random_frame",
-    "ModularTransformer", "PatchViT", "StiefelAttention", "frames", "qk_matrices", "qk_parameters",
-    "NonFiniteGradientError", "StiefelAdam", "StiefelSGD", "param_groups",
+    "isometry_error",
+    "polar_retract",
+    "project_tangent",
+    "random_frame",
+    "Block",
+    "StiefelAttention",
+    "frames",
+    "qk_matrices",
+    "qk_parameters",
+    "NonFiniteGradientError",
+    "StiefelAdam",
+    "StiefelSGD",
+    "param_groups",
 ]

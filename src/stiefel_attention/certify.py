@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -144,7 +144,11 @@ def check_conditioning(gen: torch.Generator) -> list[Check]:
             W_end = _run(lambda p: StiefelAdam(p, lr=10.0, max_step=delta), W, _grads(shape, 100, gen))
             iso = max(iso, float(isometry_error(W_end)))
     return [
-        Check("3 conditioning: cond((I + xi^T xi)^(-1/2)) <= sqrt(1 + Delta^2), Delta in {0.1, 0.5, 1}", cond_excess, 1e-12),
+        Check(
+            "3 conditioning: cond((I + xi^T xi)^(-1/2)) <= sqrt(1 + Delta^2), Delta in {0.1, 0.5, 1}",
+            cond_excess,
+            1e-12,
+        ),
         Check("3 conditioning: r x r factor exact, ||M^2 (I + xi^T xi) - I||", factor_err, 1e-12),
         Check("3 conditioning: ||W^T W - I|| after 100 capped steps", iso, 1e-12),
     ]
@@ -177,7 +181,9 @@ def check_equivariance(gen: torch.Generator) -> list[Check]:
         if d > 1:
             coord_res = min(coord_res, float(_frob(Wc_rot - Q @ Wc).max()))
     return [
-        Check("4 O(d)-equivariance: StiefelAdam from (QW, QG) = Q x StiefelAdam from (W, G), 20 steps", adam_res, 1e-12),
+        Check(
+            "4 O(d)-equivariance: StiefelAdam from (QW, QG) = Q x StiefelAdam from (W, G), 20 steps", adam_res, 1e-12
+        ),
         Check("4 O(d)-equivariance must fail for second_moment='coordinate'", coord_res, 1e-6, must_fail=True),
     ]
 
@@ -263,4 +269,8 @@ def format_table(results: list[Check]) -> str:
 def to_json(results: list[Check], path: str, seed: int) -> None:
     rows = [dict(asdict(c), passed=c.passed) for c in results]
     with open(path, "w") as f:
-        json.dump({"seed": seed, "torch": torch.__version__, "all_passed": all(c.passed for c in results), "checks": rows}, f, indent=2)
+        json.dump(
+            {"seed": seed, "torch": torch.__version__, "all_passed": all(c.passed for c in results), "checks": rows},
+            f,
+            indent=2,
+        )

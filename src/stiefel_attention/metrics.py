@@ -13,7 +13,7 @@ Each is summarised per layer as [mean, min, max] over heads.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -57,8 +57,9 @@ def _per_head_logit_stats(logits: Tensor, queries: slice | None) -> dict[str, Te
 
 
 @torch.no_grad()
-def attention_metrics(model: nn.Module, forward: Callable[[], object], queries: slice | None = None,
-                      digits: int = 5) -> dict[str, list[list[float | None]]]:
+def attention_metrics(
+    model: nn.Module, forward: Callable[[], object], queries: slice | None = None, digits: int = 5
+) -> dict[str, list[list[float | None]]]:
     """{metric: [[mean, min, max] per attention layer]} for the StiefelAttention layers of model.
 
     forward() runs the model on the fixed batch (e.g. `lambda: model(x)`); each layer's input is
@@ -69,8 +70,9 @@ def attention_metrics(model: nn.Module, forward: Callable[[], object], queries: 
     """
     layers = [m for m in model.modules() if isinstance(m, StiefelAttention)]
     inputs: dict[int, Tensor] = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
-             for i, m in enumerate(layers)]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0])) for i, m in enumerate(layers)
+    ]
     try:
         forward()
     finally:

@@ -1,7 +1,7 @@
-"""Attention whose query and key projections are frames on St(d_model, head_dim), and two models.
+"""Attention whose query and key projections are frames on St(d_model, head_dim).
 
-Read top to bottom: `StiefelAttention`, the transformer `Block`, `PatchViT` (CIFAR-10),
-`ModularTransformer` (grokking), then helpers that find a model's frames.
+Read top to bottom: `StiefelAttention`, the transformer `Block`, then helpers that find a
+model's frames and query-key parameters.
 
 Pairing: every arm of an experiment builds the same model from the same seed. To keep every
 parameter other than W_Q, W_K identical across arms, `StiefelAttention` draws BOTH the
@@ -20,8 +20,17 @@ from torch.nn.utils import parametrizations, parametrize
 
 from .manifold import random_frame
 
-__all__ = ["QK_MODES", "QK_INITS", "QK_LAYOUTS", "StiefelAttention", "Block", "PatchViT", "ModularTransformer", "frames",
-           "qk_matrices", "qk_parameters", "routing_parameters"]
+__all__ = [
+    "QK_MODES",
+    "QK_INITS",
+    "QK_LAYOUTS",
+    "StiefelAttention",
+    "Block",
+    "frames",
+    "qk_matrices",
+    "qk_parameters",
+    "routing_parameters",
+]
 
 QK_MODES = ("stiefel", "euclidean", "frozen", "parametrized")
 QK_INITS = ("standard", "orthonormal")
@@ -92,8 +101,10 @@ class StiefelAttention(nn.Module):
         if qk_layout not in QK_LAYOUTS:
             raise ValueError(f"qk_layout must be one of {QK_LAYOUTS}, got {qk_layout!r}")
         if qk_layout == "linear" and qk != "euclidean":
-            raise ValueError("qk_layout='linear' is for Euclidean W_Q, W_K (2-D optimizers such as Muon); "
-                             f"qk={qk!r} keeps the per-head layout")
+            raise ValueError(
+                "qk_layout='linear' is for Euclidean W_Q, W_K (2-D optimizers such as Muon); "
+                f"qk={qk!r} keeps the per-head layout"
+            )
         if head_dim > d_model:
             raise ValueError(f"head_dim={head_dim} > d_model={d_model}: a frame in St(d, r) needs r <= d")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
@@ -122,8 +133,9 @@ class StiefelAttention(nn.Module):
                 if qk == "parametrized":
                     parametrizations.orthogonal(self, name)
                 elif qk_layout == "linear":
-                    parametrize.register_parametrization(self, name, _HeadsFromLinear(n_heads, d_model, head_dim),
-                                                         unsafe=True)
+                    parametrize.register_parametrization(
+                        self, name, _HeadsFromLinear(n_heads, d_model, head_dim), unsafe=True
+                    )
 
     def _heads(self, x: Tensor, w: Tensor) -> Tensor:
         B, N, _ = x.shape
@@ -210,8 +222,10 @@ class StiefelAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = "".join(f", {k}=True" for k in ("qk_norm", "temperature") if getattr(self, k))
         extra += ", qk_layout=linear" if self.qk_layout == "linear" else ""
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, qk={self.qk}, "
-                f"qk_init={self.qk_init}, causal={self.causal}{extra}")
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, qk={self.qk}, "
+            f"qk_init={self.qk_init}, causal={self.causal}{extra}"
+        )
 
 
 def _rms_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -225,16 +239,30 @@ class Block(nn.Module):
     attn_options (qk_norm, temperature, qk_layout) go to StiefelAttention unchanged.
     """
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, d_mlp: int, qk: str = "stiefel",
-                 qk_init: str | None = None, causal: bool = False, layernorm: bool = True, bias: bool = True,
-                 **attn_options):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        d_mlp: int,
+        qk: str = "stiefel",
+        qk_init: str | None = None,
+        causal: bool = False,
+        layernorm: bool = True,
+        bias: bool = True,
+        **attn_options,
+    ):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model) if layernorm else nn.Identity()
-        self.attn = StiefelAttention(d_model, n_heads, head_dim, qk=qk, qk_init=qk_init, causal=causal, bias=bias,
-                                     **attn_options)
+        self.attn = StiefelAttention(
+            d_model, n_heads, head_dim, qk=qk, qk_init=qk_init, causal=causal, bias=bias, **attn_options
+        )
         self.ln2 = nn.LayerNorm(d_model) if layernorm else nn.Identity()
-        self.mlp = nn.Sequential(nn.Linear(d_model, d_mlp, bias=bias), nn.GELU() if layernorm else nn.ReLU(),
-                                 nn.Linear(d_mlp, d_model, bias=bias))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, d_mlp, bias=bias),
+            nn.GELU() if layernorm else nn.ReLU(),
+            nn.Linear(d_mlp, d_model, bias=bias),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -244,93 +272,6 @@ class Block(nn.Module):
         """The block's output at the last position only: (B, N, D) -> (B, 1, D)."""
         x_last = x[:, -1:] + self.attn.forward_last(self.ln1(x))
         return x_last + self.mlp(self.ln2(x_last))
-
-
-class PatchViT(nn.Module):
-    """A small vision transformer for 32x32 images: patchify, pre-norm blocks, mean pooling, head."""
-
-    def __init__(
-        self,
-        image_size: int = 32,
-        patch_size: int = 4,
-        in_channels: int = 3,
-        num_classes: int = 10,
-        d_model: int = 64,
-        depth: int = 2,
-        n_heads: int = 4,
-        head_dim: int = 16,
-        mlp_ratio: int = 2,
-        qk: str = "stiefel",
-        qk_init: str | None = None,
-        **attn_options,
-    ):
-        super().__init__()
-        if image_size % patch_size:
-            raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
-        n_patches = (image_size // patch_size) ** 2
-        self.patchify = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size)
-        self.pos = nn.Parameter(torch.randn(1, n_patches, d_model) * 0.02)
-        self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, head_dim, mlp_ratio * d_model, qk=qk, qk_init=qk_init, **attn_options)
-            for _ in range(depth)
-        )
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, num_classes)
-
-    def forward(self, images: Tensor) -> Tensor:
-        x = self.patchify(images)  # (B, D, H/p, W/p)
-        x = x.flatten(2).transpose(1, 2) + self.pos  # (B, N, D)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x).mean(dim=1))  # (B, num_classes)
-
-
-class ModularTransformer(nn.Module):
-    """The grokking model: tokens (a, b, "=") -> logits over the p residues at the "=" position.
-
-    Defaults follow the usual reference setup: 1 layer, d_model 128, 4 heads of 32, MLP 512,
-    no LayerNorm, no biases, causal attention, learned positional embeddings.
-    """
-
-    def __init__(
-        self,
-        p: int,
-        d_model: int = 128,
-        n_heads: int = 4,
-        head_dim: int = 32,
-        d_mlp: int = 512,
-        n_layers: int = 1,
-        layernorm: bool = False,
-        qk: str = "stiefel",
-        qk_init: str | None = None,
-        **attn_options,
-    ):
-        super().__init__()
-        self.p = p
-        self.embed = nn.Embedding(p + 1, d_model)  # residues 0..p-1 and "=" (token p)
-        self.pos = nn.Parameter(torch.randn(3, d_model) / math.sqrt(d_model))
-        self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, head_dim, d_mlp, qk=qk, qk_init=qk_init, causal=True, layernorm=layernorm,
-                  bias=False, **attn_options)
-            for _ in range(n_layers)
-        )
-        self.norm = nn.LayerNorm(d_model) if layernorm else nn.Identity()
-        self.unembed = nn.Linear(d_model, p, bias=False)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits at the "=" position; the last block computes that position only (exact)."""
-        x = self.embed(tokens) + self.pos  # (B, 3, D)
-        for block in self.blocks[:-1]:
-            x = block(x)
-        x = self.blocks[-1].forward_last(x)  # (B, 1, D)
-        return self.unembed(self.norm(x[:, 0]))  # (B, p)
-
-    def forward_full(self, tokens: Tensor) -> Tensor:
-        """The plain forward pass over all positions, then the "=" position: the reference for `forward`."""
-        x = self.embed(tokens) + self.pos  # (B, 3, D)
-        for block in self.blocks:
-            x = block(x)
-        return self.unembed(self.norm(x[:, -1]))  # (B, p)
 
 
 def _attention_modules(model: nn.Module):
@@ -368,10 +309,17 @@ def _qualified(prefix: str, name: str) -> str:
 
 def qk_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(qualified name, parameter) of the tensors behind every W_Q, W_K that an optimizer would step."""
-    return [(_qualified(name, pname), p) for name, module in _attention_modules(model) for pname, p in module.qk_parameters()]
+    return [
+        (_qualified(name, pname), p)
+        for name, module in _attention_modules(model)
+        for pname, p in module.qk_parameters()
+    ]
 
 
 def routing_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """qk_parameters plus the query-key options' gains and log-temperatures: what arms of an experiment differ in."""
-    return [(_qualified(name, pname), p) for name, module in _attention_modules(model)
-            for pname, p in module.routing_parameters()]
+    return [
+        (_qualified(name, pname), p)
+        for name, module in _attention_modules(model)
+        for pname, p in module.routing_parameters()
+    ]

@@ -61,7 +61,8 @@ Non-finite gradients, `nonfinite=`:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -105,8 +106,10 @@ def _check_start(p: Tensor, where: str) -> None:
     try:
         check_frames(p, name=where)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"{err}. Frame groups take tensors of shape (..., d, r); put other parameters in a "
-                         "group with stiefel=False (param_groups(model) does this).") from None
+        raise ValueError(
+            f"{err}. Frame groups take tensors of shape (..., d, r); put other parameters in a "
+            "group with stiefel=False (param_groups(model) does this)."
+        ) from None
     if p.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"{where} has dtype {p.dtype}; Stiefel optimizers keep frames in float32 or float64 "
@@ -159,8 +162,11 @@ def param_groups(
     frame_group: dict[str, Any] = {"params": frame_list, "stiefel": True, **frame_options}
     if frame_lr is not None:
         frame_group["lr"] = frame_lr
-    groups = [{"params": decay, "weight_decay": weight_decay, "stiefel": False},
-              {"params": plain, "weight_decay": 0.0, "stiefel": False}, frame_group]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "stiefel": False},
+        {"params": plain, "weight_decay": 0.0, "stiefel": False},
+        frame_group,
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -235,7 +241,9 @@ def stiefel_adam(
         raise ValueError("the batched path needs projector=True, second_moment='frame' and contiguous frames")
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, max_step=max_step, weight_decay=weight_decay, keep=keep)
     if batched:
-        _batched_stiefel_adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, precomputed=precomputed, **kw)
+        _batched_stiefel_adam(
+            params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, precomputed=precomputed, **kw
+        )
     else:
         _single_tensor_stiefel_adam(
             params, grads, exp_avgs, exp_avg_sqs, state_steps, projector=projector, second_moment=second_moment, **kw
@@ -257,8 +265,21 @@ def _tangent_or_refuse(params, grads, weight_decay: float, projector: bool, keep
 
 
 def _single_tensor_stiefel_adam(
-    params, grads, exp_avgs, exp_avg_sqs, state_steps, *,
-    lr, beta1, beta2, eps, max_step, weight_decay, projector, second_moment, keep,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    state_steps,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    max_step,
+    weight_decay,
+    projector,
+    second_moment,
+    keep,
 ) -> None:
     tangent = _tangent_or_refuse(params, grads, weight_decay, projector, keep)
     for i, (W, g, m, v, step_t) in enumerate(zip(params, tangent, exp_avgs, exp_avg_sqs, state_steps)):
@@ -315,8 +336,21 @@ def _batched_moment_update(W: Tensor, G: Tensor, m: Tensor, A: Tensor, beta: flo
 
 
 def _batched_stiefel_adam(
-    params, grads, exp_avgs, exp_avg_sqs, state_steps, workspaces, *,
-    lr, beta1, beta2, eps, max_step, weight_decay, precomputed=None, keep=None,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    state_steps,
+    workspaces,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    max_step,
+    weight_decay,
+    precomputed=None,
+    keep=None,
 ) -> None:
     # weight_decay is not used here: P_W(weight_decay * W) = 0 on St(d, r) (see module docstring).
     if not params:
@@ -329,7 +363,9 @@ def _batched_stiefel_adam(
             _refuse_if_non_finite(precomputed[1], [f"frame parameter {i} of this group" for i in range(len(params))])
     As, sq_norms = precomputed
     coefs = []  # per frame: xi = -coef * m
-    for i, (W, G, m, v, step_t, A, sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms)):
+    for i, (W, G, m, v, step_t, A, sq) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms)
+    ):
         tiny = torch.finfo(v.dtype).tiny
         old = None if keep is None else (m.clone(), v.clone())
         step_t += 1
@@ -343,16 +379,21 @@ def _batched_stiefel_adam(
         # skip mode: everything on the device; skipped frames get their moments back and a zero step
         _keep_where(keep[i], _frames_view(m), _frames_view(old[0]))
         _keep_where(keep[i], v.view(-1), old[1].view(-1))
-        bc1 = 1.0 - torch.pow(beta1, step_t)
-        bc2 = 1.0 - torch.pow(beta2, step_t)
+        t = step_t.to(device=v.device, dtype=v.dtype)  # the count is float32: correct in the frames' precision
+        bc1 = 1.0 - torch.pow(beta1, t)
+        bc2 = 1.0 - torch.pow(beta2, t)
         coef = (lr / bc1) / (v.reshape(-1) / bc2).sqrt().add_(eps).clamp_min_(tiny)
         coefs.append(torch.where(keep[i], coef, torch.zeros_like(coef)))
     _batched_retract(params, exp_avgs, coefs, workspaces, max_step, keep)
 
 
 def _batched_retract(
-    params: list[Tensor], directions: list[Tensor], coefs: list[Tensor], workspaces: list[Tensor],
-    max_step: float | None, keep: list[Tensor] | None = None,
+    params: list[Tensor],
+    directions: list[Tensor],
+    coefs: list[Tensor],
+    workspaces: list[Tensor],
+    max_step: float | None,
+    keep: list[Tensor] | None = None,
 ) -> None:
     """W <- polar(W - c * direction) for every frame, c per frame after the trust region.
 
@@ -523,7 +564,9 @@ class _RiemannianOptimizer(Optimizer):
     @staticmethod
     def _grad_of(p: Tensor) -> Tensor:
         if p.grad.is_sparse:
-            raise RuntimeError("sparse gradients are not supported (the Riemannian rule and AdamW here need dense ones)")
+            raise RuntimeError(
+                "sparse gradients are not supported (the Riemannian rule and AdamW here need dense ones)"
+            )
         return p.grad
 
     def _frame_batches(self) -> list[tuple[dict, list[list], list[str]]]:
@@ -547,7 +590,9 @@ class _RiemannianOptimizer(Optimizer):
             batches += [(group, lists, names) for lists, names in per_key.values()]
         return batches
 
-    def _adamw_groups(self) -> list[tuple[dict, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[str]]]:
+    def _adamw_groups(
+        self,
+    ) -> list[tuple[dict, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[str]]]:
         """AdamW groups with their torch-layout state: (group, params, grads, exp_avgs, exp_avg_sqs, steps, names)."""
         out = []
         for gi, group in enumerate(self.param_groups):
@@ -560,12 +605,24 @@ class _RiemannianOptimizer(Optimizer):
                     continue
                 state = self.state[p]
                 if len(state) == 0:  # as torch.optim.AdamW lays it out
-                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                                     else torch.tensor(0.0, dtype=torch.float32))
+                    state["step"] = (
+                        torch.zeros((), dtype=torch.float32, device=p.device)
+                        if on_device
+                        else torch.tensor(0.0, dtype=torch.float32)
+                    )
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                for lst, item in zip(lists, (p, self._grad_of(p), state["exp_avg"], state["exp_avg_sq"], state["step"],
-                                             f"param_groups[{gi}]['params'][{i}]")):
+                for lst, item in zip(
+                    lists,
+                    (
+                        p,
+                        self._grad_of(p),
+                        state["exp_avg"],
+                        state["exp_avg_sq"],
+                        state["step"],
+                        f"param_groups[{gi}]['params'][{i}]",
+                    ),
+                ):
                     lst.append(item)
             if lists[0]:
                 out.append((group, *lists))
@@ -580,8 +637,10 @@ class _RiemannianOptimizer(Optimizer):
         frame_batches = self._frame_batches()
         adamw_groups = self._adamw_groups()
         fast = [self._fast(group, lists) for group, lists, _ in frame_batches]
-        pre = [_batched_tangent_sq_norms(lists[0], lists[1]) if is_fast else None
-               for (_, lists, _), is_fast in zip(frame_batches, fast)]
+        pre = [
+            _batched_tangent_sq_norms(lists[0], lists[1]) if is_fast else None
+            for (_, lists, _), is_fast in zip(frame_batches, fast)
+        ]
         # A NaN or inf anywhere in a frame's gradient reaches its tangent norm (fast path).
         keeps: list[list[Tensor] | None] = [None] * len(frame_batches)
         if self.nonfinite == "raise":
@@ -594,9 +653,12 @@ class _RiemannianOptimizer(Optimizer):
                 names += group_names
             _refuse_if_non_finite(values, names)
         else:
-            keeps = [[sq.isfinite() for sq in p[1]] if p is not None
-                     else [g.isfinite().all(dim=(-2, -1)).reshape(-1) for g in lists[1]]
-                     for (_, lists, _), p in zip(frame_batches, pre)]
+            keeps = [
+                [sq.isfinite() for sq in p[1]]
+                if p is not None
+                else [g.isfinite().all(dim=(-2, -1)).reshape(-1) for g in lists[1]]
+                for (_, lists, _), p in zip(frame_batches, pre)
+            ]
         for (group, lists, _), is_fast, p, keep in zip(frame_batches, fast, pre, keeps):
             self._frame_step(group, lists, is_fast, p, keep)
         for group, params, grads, exp_avgs, exp_avg_sqs, steps, _ in adamw_groups:
@@ -614,10 +676,26 @@ class _RiemannianOptimizer(Optimizer):
                 return
         beta1, beta2 = group["betas"]
         _torch_adamw(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], capturable=group["capturable"],
-            differentiable=False, fused=group["fused"], grad_scale=None, found_inf=found_inf, has_complex=False,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False,
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=False,
+            fused=group["fused"],
+            grad_scale=None,
+            found_inf=found_inf,
+            has_complex=False,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
         )
 
     def _fast(self, group: dict, lists: list[list]) -> bool:
@@ -682,10 +760,20 @@ class StiefelAdam(_RiemannianOptimizer):
         if second_moment not in ("frame", "coordinate"):
             raise ValueError(f"second_moment must be 'frame' or 'coordinate', got {second_moment!r}")
         if batched and not (projector and second_moment == "frame"):
-            raise ValueError("batched=True needs projector=True and second_moment='frame'; the ablations use the reference path")
+            raise ValueError(
+                "batched=True needs projector=True and second_moment='frame'; the ablations use the reference path"
+            )
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, max_step=max_step, weight_decay=weight_decay,
-            projector=projector, second_moment=second_moment, batched=batched, foreach=foreach, fused=fused,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            max_step=max_step,
+            weight_decay=weight_decay,
+            projector=projector,
+            second_moment=second_moment,
+            batched=batched,
+            foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults, nonfinite)
 
@@ -703,9 +791,18 @@ class StiefelAdam(_RiemannianOptimizer):
     def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
         beta1, beta2 = group["betas"]
         stiefel_adam(
-            *lists, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], max_step=group["max_step"],
-            weight_decay=group["weight_decay"], projector=group["projector"], second_moment=group["second_moment"],
-            batched=fast, precomputed=precomputed, keep=keep,
+            *lists,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            max_step=group["max_step"],
+            weight_decay=group["weight_decay"],
+            projector=group["projector"],
+            second_moment=group["second_moment"],
+            batched=fast,
+            precomputed=precomputed,
+            keep=keep,
         )
 
 
@@ -737,8 +834,17 @@ class StiefelSGD(_RiemannianOptimizer):
         _check_common(lr, weight_decay, max_step, nonfinite)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"invalid momentum: {momentum}")
-        defaults = dict(lr=lr, momentum=momentum, max_step=max_step, weight_decay=weight_decay, batched=batched,
-                        betas=tuple(betas), eps=eps, foreach=foreach, fused=fused)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            max_step=max_step,
+            weight_decay=weight_decay,
+            batched=batched,
+            betas=tuple(betas),
+            eps=eps,
+            foreach=foreach,
+            fused=fused,
+        )
         super().__init__(params, defaults, nonfinite)
 
     def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
@@ -748,6 +854,12 @@ class StiefelSGD(_RiemannianOptimizer):
 
     def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
         stiefel_sgd(
-            *lists, lr=group["lr"], momentum=group["momentum"], max_step=group["max_step"],
-            weight_decay=group["weight_decay"], batched=fast, precomputed=precomputed, keep=keep,
+            *lists,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            max_step=group["max_step"],
+            weight_decay=group["weight_decay"],
+            batched=fast,
+            precomputed=precomputed,
+            keep=keep,
         )

@@ -23,12 +23,15 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..data import balanced_subset, load_cifar10, normalize, train_val_split
 from ..manifold import isometry_error
 from ..metrics import attention_metrics
-from ..nn import PatchViT, qk_matrices, routing_parameters
-from ..runner import Cell
+from ..nn import qk_matrices, routing_parameters
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
+from .cifar10 import DataError, balanced_subset, load_cifar10, normalize, train_val_split
+from .cifar_report import claim_rows, write_cifar_report
+from .family import Family, UserError
+from .models import PatchViT
+from .records import Cell
 
 # Learning rates were chosen once per profile by the `lr-sweep` experiment on a validation
 # split carved from train (results/cifar/lr-sweep/summary.md): for `cpu`, AdamW lr 2e-3 (of
@@ -37,24 +40,47 @@ from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
 PROFILES: dict[str, dict] = {
     "smoke": dict(
         model=dict(patch_size=8, d_model=32, depth=1, n_heads=2, head_dim=8, mlp_ratio=2),
-        n_main=500, epochs=2, batch_size=64, eval_every=1, n_val=200, lr=2e-3, frame_lr=1e-2, sgd_frame_lr=0.3,
-        weight_decay=0.05, max_step=0.1, warmup_epochs=0, n_test=1000,
+        n_main=500,
+        epochs=2,
+        batch_size=64,
+        eval_every=1,
+        n_val=200,
+        lr=2e-3,
+        frame_lr=1e-2,
+        sgd_frame_lr=0.3,
+        weight_decay=0.05,
+        max_step=0.1,
+        warmup_epochs=0,
+        n_test=1000,
     ),
     # One n=10k run: 20 epochs x ~2 s + 10 evaluations x ~1.3 s on one thread (measured): ~1 min.
     # Patch 8 gives 16 tokens, enough for attention to matter while keeping 2 cores busy for an hour
     # per 60 runs rather than a day.
     "cpu": dict(
         model=dict(patch_size=8, d_model=64, depth=2, n_heads=4, head_dim=16, mlp_ratio=2),
-        n_main=10000, epochs=20, batch_size=128, eval_every=2, n_val=5000, lr=2e-3, frame_lr=1e-2, sgd_frame_lr=10.0,
-        weight_decay=0.05, max_step=0.1, warmup_epochs=1, n_test=None,
-    ),
-    # For a GPU; its learning rates have not been swept (they are the cpu profile's).
-    "paper": dict(
-        model=dict(patch_size=4, d_model=256, depth=6, n_heads=8, head_dim=32, mlp_ratio=2),
-        n_main=10000, epochs=100, batch_size=256, eval_every=5, n_val=5000, lr=2e-3, frame_lr=1e-2, sgd_frame_lr=10.0,
-        weight_decay=0.05, max_step=0.1, warmup_epochs=5, n_test=None,
+        n_main=10000,
+        epochs=20,
+        batch_size=128,
+        eval_every=2,
+        n_val=5000,
+        lr=2e-3,
+        frame_lr=1e-2,
+        sgd_frame_lr=10.0,
+        weight_decay=0.05,
+        max_step=0.1,
+        warmup_epochs=1,
+        n_test=None,
     ),
 }
+# For a GPU; its learning rates have not been swept (they are the cpu profile's).
+PROFILES["paper"] = dict(
+    PROFILES["cpu"],
+    model=dict(patch_size=4, d_model=256, depth=6, n_heads=8, head_dim=32, mlp_ratio=2),
+    epochs=100,
+    batch_size=256,
+    eval_every=5,
+    warmup_epochs=5,
+)
 
 MAIN_ARMS = ("adamw", "adamw-orthoinit", "stiefel-adam", "stiefel-sgd", "frozen")
 ABLATION_ARMS = ("stiefel-adam", "no-projector", "coordinate-moment", "stiefel-sgd", "adamw")
@@ -93,11 +119,28 @@ def make_config(profile_name: str, arm: str, seed: int, n: int, split: str = "te
     # the gradient (a binding cap would make it partly scale free).
     max_step = prof["max_step"] if arm_spec(arm).trust_region else None
     cfg = dict(
-        profile=profile_name, arm=arm, seed=seed, n_train=n, split=split, model=prof["model"],
-        epochs=epochs_for(n, prof), batch_size=prof["batch_size"], eval_every=prof["eval_every"],
-        lr=prof["lr"], frame_lr=frame_lr, weight_decay=prof["weight_decay"], betas=[0.9, 0.999],
-        eps=1e-8, frame_eps=1e-8, max_step=max_step, sgd_momentum=0.9, warmup_epochs=prof["warmup_epochs"],
-        schedule="cosine", flip=True, n_val=prof["n_val"], n_test=prof["n_test"],
+        profile=profile_name,
+        arm=arm,
+        seed=seed,
+        n_train=n,
+        split=split,
+        model=prof["model"],
+        epochs=epochs_for(n, prof),
+        batch_size=prof["batch_size"],
+        eval_every=prof["eval_every"],
+        lr=prof["lr"],
+        frame_lr=frame_lr,
+        weight_decay=prof["weight_decay"],
+        betas=[0.9, 0.999],
+        eps=1e-8,
+        frame_eps=1e-8,
+        max_step=max_step,
+        sgd_momentum=0.9,
+        warmup_epochs=prof["warmup_epochs"],
+        schedule="cosine",
+        flip=True,
+        n_val=prof["n_val"],
+        n_test=prof["n_test"],
     )
     unknown = set(overrides) - set(cfg)
     if unknown:
@@ -140,7 +183,12 @@ def cells(experiment: str, profile: str, seeds: int, n: int | None = None, per_n
     elif experiment == "scaling":
         ns = (200, 500) if profile == "smoke" else SCALING_NS
         seeds_at = {k: min(seeds, SCALING_SEEDS.get(k, seeds)) if per_n_seeds else seeds for k in ns}
-        out = [_cell(make_config(profile, a, s, k)) for k in ns for a in ("adamw", "stiefel-adam") for s in range(seeds_at[k])]
+        out = [
+            _cell(make_config(profile, a, s, k))
+            for k in ns
+            for a in ("adamw", "stiefel-adam")
+            for s in range(seeds_at[k])
+        ]
     elif experiment == "ablation":
         out = [_cell(make_config(profile, a, s, n_main)) for a in ABLATION_ARMS for s in S]
     elif experiment == "eps":
@@ -172,7 +220,9 @@ def _generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
     return subset, order
 
 
-def split_indices(labels: torch.Tensor, cfg: dict, subset_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_indices(
+    labels: torch.Tensor, cfg: dict, subset_gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Training indices (class-balanced, n of them) and, for split='val', validation indices.
 
     The validation split is carved from train with a generator fixed independently of the seed,
@@ -241,20 +291,30 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
 
     torch.manual_seed(cfg["seed"])
     model = PatchViT(**cfg["model"], **attention_options(cfg["arm"])).to(device)
-    hp = HyperParameters(lr=cfg["lr"], weight_decay=cfg["weight_decay"], frame_lr=cfg["frame_lr"],
-                         betas=tuple(cfg["betas"]), eps=cfg["eps"], frame_eps=cfg["frame_eps"], max_step=cfg["max_step"],
-                         sgd_momentum=cfg["sgd_momentum"])
+    hp = HyperParameters(
+        lr=cfg["lr"],
+        weight_decay=cfg["weight_decay"],
+        frame_lr=cfg["frame_lr"],
+        betas=tuple(cfg["betas"]),
+        eps=cfg["eps"],
+        frame_eps=cfg["frame_eps"],
+        max_step=cfg["max_step"],
+        sgd_momentum=cfg["sgd_momentum"],
+    )
     opts = build_optimizers(model, cfg["arm"], hp)
     n = len(y_train)
     steps_per_epoch = max(1, n // cfg["batch_size"])  # drop the ragged last batch
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, _lr_lambda(cfg, steps_per_epoch)) for o in opts]
+
     def qk() -> list[torch.Tensor]:  # each (H, D, r): H matrices of one head's shape (parametrized: recomputed)
         return [p for _, p in qk_matrices(model)]
 
     # Fingerprints of what pairing promises is identical across arms of one seed.
     order_hash = hashlib.sha256()
-    pairing = {"train_subset_sha256": hashlib.sha256(train_idx.numpy().tobytes()).hexdigest()[:16],
-               "init_sha256": _init_fingerprint(model)}
+    pairing = {
+        "train_subset_sha256": hashlib.sha256(train_idx.numpy().tobytes()).hexdigest()[:16],
+        "init_sha256": _init_fingerprint(model),
+    }
     curves = {"epoch": [], "train_loss": [], "train_acc": [], "eval_acc": [], "movement_median": []}
     mechanism: dict[str, list] = {}
     probe = x_train[:256]  # a fixed batch (the first training images of the seed's subset) for the attention metrics
@@ -318,6 +378,95 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             "movement_median": statistics.median(curves["movement_median"]),
         },
         "curves": {**curves, "mechanism": mechanism},
-        "timings": {"train_s": t_train, "total_s": time.perf_counter() - t_start, "device": str(device),
-                    "threads": torch.get_num_threads()},
+        "timings": {
+            "train_s": t_train,
+            "total_s": time.perf_counter() - t_start,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+        },
     }
+
+
+class CifarFamily(Family):
+    name = "cifar"
+    help = "CIFAR-10 patch benchmark experiments (paired seeds)"
+    profiles = PROFILES
+    experiments = EXPERIMENTS
+    claimed = ("main", "scaling", "ablation", "eps", "movement")
+    # the lr sweep first: it is how the profile's rates were chosen, and `movement` reads it
+    reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling")
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument(
+            "--n", type=int, default=None, help="training images for main/ablation/eps (default: the profile's)"
+        )
+        parser.add_argument(
+            "--data",
+            default=None,
+            help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places",
+        )
+
+    def cells(
+        self, experiment: str, profile: str, seeds: int | None = None, n: int | None = None, **options
+    ) -> list[Cell]:
+        if seeds is None:  # the protocol's seeds, capped per n in `scaling`
+            return cells(experiment, profile, default_seeds(experiment, profile), n=n, per_n_seeds=True)
+        return cells(experiment, profile, seeds, n=n)
+
+    def add_reproduce_arguments(self, parser) -> None:
+        parser.add_argument(
+            "--data",
+            default=None,
+            help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places",
+        )
+
+    def forward_arguments(self, args) -> list[str]:
+        return ["--data", args.data] if args.data else []
+
+    def cell_options(self, args) -> dict:
+        return {"n": args.n}
+
+    def run_options(self, args) -> dict:
+        try:  # fail fast, with the data module's message; also decodes the cache once for every run here
+            ds = cached_dataset(getattr(args, "data", None))
+        except DataError as err:
+            raise UserError(str(err)) from None
+        return {"data": ds.source}
+
+    def describe(self, run_options: dict) -> str:
+        return f"data {run_options['data']}"
+
+    def run(self, config: dict, progress=None, **options) -> dict:
+        return run(config, progress=progress, **options)
+
+    def experiment_records(self, experiment: str, profile: str, by_key: dict[str, dict]) -> list[dict]:
+        """The records of one experiment, by the keys of the cells it plans.
+
+        An experiment other than `scaling` compares arms at ONE n (the profile's, or another one
+        chosen with --n): the records of each n are a separate experiment and must never be pooled
+        (the scaling runs at n=1k share arms and seeds with `main`). The profile's n wins; failing
+        that, the n with the most records.
+        """
+        mine = [r for r in by_key.values() if r["config"]["profile"] == profile]
+        seeds = 1 + max((r["config"]["seed"] for r in mine), default=0)
+        if experiment == "scaling":
+            return [by_key[c.key] for c in cells(experiment, profile, seeds) if c.key in by_key]
+        sizes = sorted({r["config"]["n_train"] for r in mine})
+        groups = {n: [by_key[c.key] for c in cells(experiment, profile, seeds, n=n) if c.key in by_key] for n in sizes}
+        n_main = PROFILES[profile]["n_main"]
+        if groups.get(n_main):
+            return groups[n_main]
+        return max(groups.values(), key=len, default=[])
+
+    def write_summary(self, out_dir, experiment, records, profile, n_planned, by_key) -> dict:
+        sweep = None
+        if experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
+            seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=0)
+            sweep = [by_key[c.key] for c in cells("lr-sweep", profile, seeds) if c.key in by_key]
+        return write_cifar_report(out_dir, experiment, records, profile, n_planned=n_planned, sweep_records=sweep)
+
+    def claim_rows(self, experiment, summary, link, profile):
+        return claim_rows(experiment, summary, link, profile)
+
+
+FAMILY = CifarFamily()

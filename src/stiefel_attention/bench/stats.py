@@ -8,7 +8,7 @@ number of wins, and a claim is "supported" only where both tests agree at the ch
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import stats as sps
@@ -40,8 +40,12 @@ def paired_comparison(arm: Sequence[float], baseline: Sequence[float], alpha: fl
         raise ValueError(f"paired samples need equal 1-D shapes, got {a.shape} and {b.shape}")
     n = int(a.size)
     diff = a - b
-    out: dict = {"n_seeds": n, "mean_diff": float(diff.mean()) if n else math.nan,
-                 "wins": int((diff > 0).sum()), "losses": int((diff < 0).sum())}
+    out: dict = {
+        "n_seeds": n,
+        "mean_diff": float(diff.mean()) if n else math.nan,
+        "wins": int((diff > 0).sum()),
+        "losses": int((diff < 0).sum()),
+    }
     if n < 2:
         out.update(ci95=[math.nan, math.nan], t=math.nan, p_t=math.nan, p_wilcoxon=math.nan, supported=False)
         return out
@@ -58,5 +62,9 @@ def paired_comparison(arm: Sequence[float], baseline: Sequence[float], alpha: fl
         out["p_wilcoxon"] = math.nan
     else:
         out["p_wilcoxon"] = float(sps.wilcoxon(a, b, zero_method="wilcox", alternative="two-sided").pvalue)
-    out["supported"] = bool(out["p_t"] < alpha and out["p_wilcoxon"] < alpha) if not math.isnan(out["p_t"]) and not math.isnan(out["p_wilcoxon"]) else False
+    out["supported"] = (
+        bool(out["p_t"] < alpha and out["p_wilcoxon"] < alpha)
+        if not math.isnan(out["p_t"]) and not math.isnan(out["p_wilcoxon"])
+        else False
+    )
     return out

@@ -1,102 +1,28 @@
 """Execute experiment cells, one JSON record per finished run, resumable.
 
-A cell is one training run: (family, readable name, resolved config). Its key is a hash of the
-resolved config, so two experiments that need the same run share one record
-`<runs_dir>/<name>-<key>.json`. A cell whose record exists is skipped; a record is written
-atomically (temp file + rename) the moment its run finishes, so Ctrl-C or a crash loses only
-runs in flight. Executors are a small interface: `LocalExecutor` (a process pool, one process
-per core by default), `InlineExecutor` (this process; tests and debugging) and `RayExecutor`
-(one Ray task per run, on a local or remote Ray cluster). An executor needs only
+A cell whose record (`records.py`) exists is skipped; a record is written atomically the moment
+its run finishes, so Ctrl-C or a crash loses only runs in flight. Executors are a small interface:
+`LocalExecutor` (a process pool, one process per core by default), `InlineExecutor` (this process;
+tests and debugging) and `RayExecutor` (one Ray task per run, on a local or remote Ray cluster). An executor needs only
 `submit(cells, runs_dir) -> iterator of (cell, record or exception)`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
-import hashlib
-import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
-__all__ = ["Cell", "Executor", "InlineExecutor", "LocalExecutor", "RayExecutor", "RayNotInstalled", "code_version",
-           "execute_cell", "read_record", "run_cells", "write_json_atomic"]
+from .family import get_family
+from .records import Cell, code_version, read_record, write_json_atomic
 
-
-@dataclass(frozen=True)
-class Cell:
-    family: str  # "cifar" | "grok"
-    name: str  # readable, e.g. "stiefel-adam-s3-n10000"
-    config: dict = field(hash=False)  # everything that determines the result; hashed into the key
-    options: dict = field(default_factory=dict, hash=False)  # where to run, not what: data path, device
-
-    @property
-    def key(self) -> str:
-        blob = json.dumps({"family": self.family, **self.config}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:10]
-
-    def path(self, runs_dir: str | Path) -> Path:
-        return Path(runs_dir) / f"{self.name}-{self.key}.json"
-
-
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON so that a reader never sees a partial file, even if we are killed mid-write."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def read_record(path: str | Path) -> dict | None:
-    """The run record at path, or None when there is none. An unparsable file (a crash mid-write
-    cannot leave one, but a hand-edited or truncated copy can) counts as missing, with a warning,
-    so the run is made again."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        print(f"warning: unreadable record {path}; treating the run as not done", file=sys.stderr)
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """git commit of the code that ran (with '-dirty' if src/ had changes), else the package version.
-
-    Cached at the first call, which execute_cell makes before training: a commit made while a
-    run is in flight must not be credited with it.
-    """
-    from . import __version__
-
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here.parent, capture_output=True, text=True, timeout=5)
-            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return f"stiefel-attention {__version__}"
+__all__ = ["Executor", "InlineExecutor", "LocalExecutor", "RayExecutor", "RayNotInstalled", "execute_cell", "run_cells"]
 
 
 class Heartbeat:
@@ -122,12 +48,7 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     import torch
 
     version = code_version()
-    if cell.family == "cifar":
-        from .experiments import cifar as family
-    elif cell.family == "grok":
-        from .experiments import grok as family  # type: ignore[no-redef]
-    else:
-        raise ValueError(f"unknown experiment family {cell.family!r}")
+    family = get_family(cell.family)
     threads_before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -143,8 +64,15 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads_before)
-    return {"name": cell.name, "key": cell.key, "family": cell.family, "config": cell.config,
-            "code_version": version, "torch": torch.__version__, **result}
+    return {
+        "name": cell.name,
+        "key": cell.key,
+        "family": cell.family,
+        "config": cell.config,
+        "code_version": version,
+        "torch": torch.__version__,
+        **result,
+    }
 
 
 class Executor(Protocol):
@@ -154,7 +82,9 @@ class Executor(Protocol):
     write them there first (run_cells writes them again, atomically and with the same content).
     """
 
-    def submit(self, cells: list[Cell], runs_dir: Path | None = None) -> Iterator[tuple[Cell, dict | BaseException]]: ...
+    def submit(
+        self, cells: list[Cell], runs_dir: Path | None = None
+    ) -> Iterator[tuple[Cell, dict | BaseException]]: ...
 
 
 class InlineExecutor:
@@ -252,8 +182,14 @@ class RayExecutor:
     by config, so a retry can never produce a second record.
     """
 
-    def __init__(self, address: str | None = None, cpus_per_task: float = 1, gpus_per_task: float = 0,
-                 retries: int = 2, init_kwargs: dict | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        cpus_per_task: float = 1,
+        gpus_per_task: float = 0,
+        retries: int = 2,
+        init_kwargs: dict | None = None,
+    ):
         if cpus_per_task <= 0 or gpus_per_task < 0 or retries < 0:
             raise ValueError("cpus_per_task must be > 0, gpus_per_task and retries >= 0")
         self.address = address or os.environ.get("RAY_ADDRESS") or None
@@ -266,8 +202,10 @@ class RayExecutor:
         try:
             import ray
         except ImportError:
-            raise RayNotInstalled("--executor ray needs Ray: pip install 'stiefel-attention[ray]' "
-                                  "(or pip install ray), then run the command again") from None
+            raise RayNotInstalled(
+                "--executor ray needs Ray: pip install 'stiefel-attention[ray]' "
+                "(or pip install ray), then run the command again"
+            ) from None
         return ray
 
     def submit(self, cells, runs_dir=None):
@@ -290,11 +228,17 @@ class RayExecutor:
                 except ray.exceptions.RayError as err:
                     # RayTaskError: the training code raised; others: the worker or node died.
                     cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None else err
-                    reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+                    reason = (
+                        f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+                    )
                     if attempt <= self.retries:
                         self.retried.append((cell.name, attempt, reason))
-                        print(f"\nrun {cell.name} failed on attempt {attempt} ({reason}); retrying "
-                              f"({attempt}/{self.retries})", file=sys.stderr, flush=True)
+                        print(
+                            f"\nrun {cell.name} failed on attempt {attempt} ({reason}); retrying "
+                            f"({attempt}/{self.retries})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         in_flight[task.remote(cell, threads, where)] = (cell, attempt + 1)
                     else:
                         if not isinstance(cause, BaseException):
@@ -306,8 +250,9 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
 
 
-def run_cells(cells: list[Cell], runs_dir: str | Path, executor: Executor | None = None,
-              progress: bool = True, desc: str = "runs") -> tuple[dict[str, dict], list[tuple[Cell, BaseException]]]:
+def run_cells(
+    cells: list[Cell], runs_dir: str | Path, executor: Executor | None = None, progress: bool = True, desc: str = "runs"
+) -> tuple[dict[str, dict], list[tuple[Cell, BaseException]]]:
     """Run every cell whose record is missing; return ({cell.key: record}, failures).
 
     Records are written the moment each run finishes. Duplicate cells (same key) run once.
@@ -330,8 +275,14 @@ def run_cells(cells: list[Cell], runs_dir: str | Path, executor: Executor | None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(pending), desc=desc, unit="run", initial=0, dynamic_ncols=True,
-                   postfix={"done before": len(unique) - len(pending)})
+        bar = tqdm(
+            total=len(pending),
+            desc=desc,
+            unit="run",
+            initial=0,
+            dynamic_ncols=True,
+            postfix={"done before": len(unique) - len(pending)},
+        )
     try:
         for cell, outcome in executor.submit(pending, runs_dir):
             if isinstance(outcome, BaseException):

@@ -9,8 +9,9 @@ query-key gains and temperatures some arms add) the same way: AdamW with nanoGPT
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,11 +85,23 @@ def _stiefel(rule: str, **frame_options) -> Builder:
         eps = hp.eps if hp.frame_eps is None else hp.frame_eps
         if rule == "adam":
             groups = param_groups(model, hp.weight_decay, frame_lr=hp.qk_lr, eps=eps, **frame_options)
-            return [StiefelAdam(groups, lr=hp.lr, betas=hp.betas, eps=hp.eps, max_step=hp.max_step,
-                                weight_decay=hp.weight_decay)]
+            return [
+                StiefelAdam(
+                    groups, lr=hp.lr, betas=hp.betas, eps=hp.eps, max_step=hp.max_step, weight_decay=hp.weight_decay
+                )
+            ]
         groups = param_groups(model, hp.weight_decay, frame_lr=hp.qk_lr)
-        return [StiefelSGD(groups, lr=hp.lr, momentum=hp.sgd_momentum, max_step=hp.max_step,
-                           weight_decay=hp.weight_decay, betas=hp.betas, eps=hp.eps)]
+        return [
+            StiefelSGD(
+                groups,
+                lr=hp.lr,
+                momentum=hp.sgd_momentum,
+                max_step=hp.max_step,
+                weight_decay=hp.weight_decay,
+                betas=hp.betas,
+                eps=hp.eps,
+            )
+        ]
 
     return build
 
@@ -115,30 +128,82 @@ def _frozen(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
 _EUCLID = dict(qk="euclidean", qk_init="standard")
 _FRAMES = dict(qk="stiefel", qk_init="orthonormal")
 
-ARMS: dict[str, Arm] = {a.name: a for a in (
-    Arm("adamw", "baseline: Q/K ordinary matrices, usual init, AdamW", _EUCLID, lambda m, hp: [_adamw(m, hp)],
-        decays_qk=True),
-    Arm("adamw-orthoinit", "control: AdamW from the Stiefel arm's frames", dict(qk="euclidean", qk_init="orthonormal"),
-        lambda m, hp: [_adamw(m, hp)], decays_qk=True),
-    Arm("stiefel-adam", "StiefelAdam on Q/K frames", _FRAMES, _stiefel("adam"), swept="frame_lr", trust_region=True),
-    Arm("stiefel-sgd", "fixed-step Riemannian SGD on Q/K frames", _FRAMES, _stiefel("sgd"), swept="frame_lr"),
-    Arm("frozen", "orthonormal Q/K, never updated", dict(qk="frozen", qk_init="orthonormal"), _frozen),
-    Arm("no-projector", "ablation: StiefelAdam without the tangent projection", _FRAMES,
-        _stiefel("adam", projector=False), swept="frame_lr", trust_region=True),
-    Arm("coordinate-moment", "ablation: elementwise second moment (breaks O(d)-equivariance)", _FRAMES,
-        _stiefel("adam", second_moment="coordinate"), swept="frame_lr", trust_region=True),
-    Arm("adamw-qk-nodecay", "control: AdamW, usual init, no weight decay on W_Q, W_K", _EUCLID,
-        lambda m, hp: [StiefelAdam(_qk_apart(m, hp, hp.lr), lr=hp.lr, betas=hp.betas, eps=hp.eps)]),
-    Arm("orthogonal-param", "control: orthonormal Q/K by torch's orthogonal parametrization, AdamW, no decay on them",
-        dict(qk="parametrized", qk_init="orthonormal"),
-        lambda m, hp: [StiefelAdam(_qk_apart(m, hp, hp.qk_lr), lr=hp.lr, betas=hp.betas, eps=hp.eps)], swept="frame_lr"),
-    Arm("qk-norm", "baseline: per-head RMSNorm on q and k (learnable gains), AdamW", dict(_EUCLID, qk_norm=True),
-        lambda m, hp: [_adamw(m, hp)], decays_qk=True),
-    Arm("muon", "baseline: torch.optim.Muon on W_Q, W_K (nn.Linear layout), AdamW elsewhere",
-        dict(_EUCLID, qk_layout="linear"), _muon, swept="frame_lr", decays_qk=True),
-    Arm("stiefel-adam-temp", "StiefelAdam frames plus a learnable log-temperature per head", dict(_FRAMES, temperature=True),
-        _stiefel("adam"), swept="frame_lr", trust_region=True),
-)}
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        Arm(
+            "adamw",
+            "baseline: Q/K ordinary matrices, usual init, AdamW",
+            _EUCLID,
+            lambda m, hp: [_adamw(m, hp)],
+            decays_qk=True,
+        ),
+        Arm(
+            "adamw-orthoinit",
+            "control: AdamW from the Stiefel arm's frames",
+            dict(qk="euclidean", qk_init="orthonormal"),
+            lambda m, hp: [_adamw(m, hp)],
+            decays_qk=True,
+        ),
+        Arm(
+            "stiefel-adam", "StiefelAdam on Q/K frames", _FRAMES, _stiefel("adam"), swept="frame_lr", trust_region=True
+        ),
+        Arm("stiefel-sgd", "fixed-step Riemannian SGD on Q/K frames", _FRAMES, _stiefel("sgd"), swept="frame_lr"),
+        Arm("frozen", "orthonormal Q/K, never updated", dict(qk="frozen", qk_init="orthonormal"), _frozen),
+        Arm(
+            "no-projector",
+            "ablation: StiefelAdam without the tangent projection",
+            _FRAMES,
+            _stiefel("adam", projector=False),
+            swept="frame_lr",
+            trust_region=True,
+        ),
+        Arm(
+            "coordinate-moment",
+            "ablation: elementwise second moment (breaks O(d)-equivariance)",
+            _FRAMES,
+            _stiefel("adam", second_moment="coordinate"),
+            swept="frame_lr",
+            trust_region=True,
+        ),
+        Arm(
+            "adamw-qk-nodecay",
+            "control: AdamW, usual init, no weight decay on W_Q, W_K",
+            _EUCLID,
+            lambda m, hp: [StiefelAdam(_qk_apart(m, hp, hp.lr), lr=hp.lr, betas=hp.betas, eps=hp.eps)],
+        ),
+        Arm(
+            "orthogonal-param",
+            "control: orthonormal Q/K by torch's orthogonal parametrization, AdamW, no decay on them",
+            dict(qk="parametrized", qk_init="orthonormal"),
+            lambda m, hp: [StiefelAdam(_qk_apart(m, hp, hp.qk_lr), lr=hp.lr, betas=hp.betas, eps=hp.eps)],
+            swept="frame_lr",
+        ),
+        Arm(
+            "qk-norm",
+            "baseline: per-head RMSNorm on q and k (learnable gains), AdamW",
+            dict(_EUCLID, qk_norm=True),
+            lambda m, hp: [_adamw(m, hp)],
+            decays_qk=True,
+        ),
+        Arm(
+            "muon",
+            "baseline: torch.optim.Muon on W_Q, W_K (nn.Linear layout), AdamW elsewhere",
+            dict(_EUCLID, qk_layout="linear"),
+            _muon,
+            swept="frame_lr",
+            decays_qk=True,
+        ),
+        Arm(
+            "stiefel-adam-temp",
+            "StiefelAdam frames plus a learnable log-temperature per head",
+            dict(_FRAMES, temperature=True),
+            _stiefel("adam"),
+            swept="frame_lr",
+            trust_region=True,
+        ),
+    )
+}
 
 
 def arm_spec(arm: str) -> Arm:
@@ -161,4 +226,3 @@ def build_optimizers(model: nn.Module, arm: str, hp: HyperParameters) -> list[Op
     if modes and modes != {spec.qk}:
         raise ValueError(f"arm {arm!r} needs a model built with qk={spec.qk!r}; this model has qk={sorted(modes)}")
     return spec.optimizers(model, hp)
-

@@ -1,4 +1,4 @@
-"""Dataset loading for stiefel_attention.
+"""CIFAR-10 for the benchmark suite: find a source, decode it once into a uint8 cache, index it.
 
 CIFAR-10 can come from three places:
 
@@ -14,8 +14,6 @@ Whatever the source, it is decoded once into a uint8 cache (raw ``.npy`` files
 plus a JSON sidecar holding a sha256 of the arrays), so later loads take well
 under a second. Every user-facing problem is raised as ``DataError`` with one
 message that says how to point the code at the data.
-
-The modular-arithmetic data lives in its own section at the bottom.
 """
 
 from __future__ import annotations
@@ -50,8 +48,16 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------
 
 CIFAR10_CLASSES: tuple[str, ...] = (
-    "airplane", "automobile", "bird", "cat", "deer",
-    "dog", "frog", "horse", "ship", "truck",
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
 )
 # Per-channel statistics of the canonical CIFAR-10 train split, in [0, 1] units.
 CIFAR10_MEAN: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
@@ -94,7 +100,7 @@ _HOW_TO_PROVIDE = (
     "test/<class>/*.jpg|*.png (optionally inside one top-level folder), classes "
     f"{', '.join(CIFAR10_CLASSES)}.\n"
     "To download the canonical archive (needs network): "
-    "python -c \"from stiefel_attention.data import download_cifar10; "
+    'python -c "from stiefel_attention.data import download_cifar10; '
     "download_cifar10('data')\""
 )
 
@@ -121,10 +127,7 @@ class Cifar10:
     classes: ClassVar[tuple[str, ...]] = CIFAR10_CLASSES
 
     def __repr__(self) -> str:
-        return (
-            f"Cifar10(train={tuple(self.train_x.shape)}, test={tuple(self.test_x.shape)}, "
-            f"source={self.source!r})"
-        )
+        return f"Cifar10(train={tuple(self.train_x.shape)}, test={tuple(self.test_x.shape)}, source={self.source!r})"
 
 
 # ---------------------------------------------------------------------------
@@ -153,9 +156,7 @@ def resolve_cifar_source(path: str | os.PathLike[str] | None = None) -> Path:
             return candidate.resolve()
     raise _data_error(
         "No CIFAR-10 source found: no --data path given, "
-        f"{ENV_CIFAR10} is not set, and none of these exist: "
-        + ", ".join(str(t) for t in tried)
-        + "."
+        f"{ENV_CIFAR10} is not set, and none of these exist: " + ", ".join(str(t) for t in tried) + "."
     )
 
 
@@ -190,8 +191,7 @@ def _locate(path: Path) -> _Located:
         if present:
             missing = [name for name in _PICKLE_FILES if name not in present]
             raise _data_error(
-                f"Folder {str(root)!r} looks like '{CIFAR10_PICKLE_DIR}' but is missing "
-                f"{', '.join(missing)}."
+                f"Folder {str(root)!r} looks like '{CIFAR10_PICKLE_DIR}' but is missing {', '.join(missing)}."
             )
 
     subfolders = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
@@ -204,9 +204,7 @@ def _locate(path: Path) -> _Located:
     archives = sorted(p.name for p in path.glob("*.tar*"))
     hint = f" It contains archives {archives}: pass one of them instead." if archives else ""
     listing = sorted(p.name for p in path.iterdir())[:10]
-    raise _data_error(
-        f"Folder {str(path)!r} is not a CIFAR-10 layout (found {listing or 'nothing'})." + hint
-    )
+    raise _data_error(f"Folder {str(path)!r} is not a CIFAR-10 layout (found {listing or 'nothing'})." + hint)
 
 
 # ---------------------------------------------------------------------------
@@ -255,9 +253,7 @@ def _decode_archive(path: Path) -> Arrays:
                     prefixes.add("/".join(parts[:-3]))
                     images.append((split, label, parts[-1], _read_member(tar, member)))
     except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
-        raise _data_error(
-            f"CIFAR-10 source {str(path)!r} is a file but not a readable tar archive ({err})."
-        ) from err
+        raise _data_error(f"CIFAR-10 source {str(path)!r} is a file but not a readable tar archive ({err}).") from err
 
     if all(name in pickles for name in _PICKLE_FILES):
         return _arrays_from_pickles(pickles, str(path))
@@ -295,8 +291,7 @@ def _image_key(parts: tuple[str, ...], max_depth: int, where: str) -> tuple[str,
         return None
     if class_name not in CIFAR10_CLASSES:
         raise _data_error(
-            f"Unknown class folder {class_name!r} at {where}; expected one of "
-            f"{', '.join(CIFAR10_CLASSES)}."
+            f"Unknown class folder {class_name!r} at {where}; expected one of {', '.join(CIFAR10_CLASSES)}."
         )
     return split, CIFAR10_CLASSES.index(class_name)
 
@@ -378,13 +373,9 @@ def _read_pickle_batch(raw: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
         data = np.asarray(batch[b"data"])
         labels = np.asarray(batch[b"labels"], dtype=np.int64)
     except Exception as err:  # any failure here means a bad or foreign file
-        raise _data_error(
-            f"Cannot read CIFAR-10 batch {where}: {type(err).__name__}: {err}."
-        ) from err
+        raise _data_error(f"Cannot read CIFAR-10 batch {where}: {type(err).__name__}: {err}.") from err
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-        raise _data_error(
-            f"CIFAR-10 batch {where} has data {data.dtype} {data.shape}, expected uint8 (N, 3072)."
-        )
+        raise _data_error(f"CIFAR-10 batch {where} has data {data.dtype} {data.shape}, expected uint8 (N, 3072).")
     # Rows are stored channel-major (1024 R, 1024 G, 1024 B), i.e. already CHW.
     return data.reshape(-1, *_IMAGE_SHAPE), labels
 
@@ -408,18 +399,12 @@ def _check_arrays(arrays: Arrays, where: str) -> None:
             raise _data_error(f"CIFAR-10 source {where!r}: the {split} split has no images.")
         if x.dtype != np.uint8 or x.shape[1:] != _IMAGE_SHAPE:
             raise _data_error(
-                f"CIFAR-10 source {where!r}: {split} images are {x.dtype} {x.shape}, "
-                "expected uint8 (N, 3, 32, 32)."
+                f"CIFAR-10 source {where!r}: {split} images are {x.dtype} {x.shape}, expected uint8 (N, 3, 32, 32)."
             )
         if y.shape != (len(x),):
-            raise _data_error(
-                f"CIFAR-10 source {where!r}: {len(x)} {split} images but labels of shape {y.shape}."
-            )
+            raise _data_error(f"CIFAR-10 source {where!r}: {len(x)} {split} images but labels of shape {y.shape}.")
         if y.min() < 0 or y.max() >= len(CIFAR10_CLASSES):
-            raise _data_error(
-                f"CIFAR-10 source {where!r}: {split} labels outside 0..9 "
-                f"(min {y.min()}, max {y.max()})."
-            )
+            raise _data_error(f"CIFAR-10 source {where!r}: {split} labels outside 0..9 (min {y.min()}, max {y.max()}).")
 
 
 # ---------------------------------------------------------------------------
@@ -485,9 +470,7 @@ def _write_cache(entry: Path, arrays: Arrays, source: str) -> None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
     except OSError as err:
-        warnings.warn(
-            f"Cannot create CIFAR-10 cache in {entry.parent} ({err}); not caching.", stacklevel=3
-        )
+        warnings.warn(f"Cannot create CIFAR-10 cache in {entry.parent} ({err}); not caching.", stacklevel=3)
         return
     try:
         for name in _ARRAY_NAMES:
@@ -623,9 +606,7 @@ def _extract_pickle_dir(archive: Path, target: Path) -> None:
             raise _data_error(f"Cannot extract {archive}: {err}.") from err
         extracted = tmp / CIFAR10_PICKLE_DIR
         if not all((extracted / name).is_file() for name in _PICKLE_FILES):
-            raise _data_error(
-                f"Archive {archive} does not contain a complete '{CIFAR10_PICKLE_DIR}'."
-            )
+            raise _data_error(f"Archive {archive} does not contain a complete '{CIFAR10_PICKLE_DIR}'.")
         if target.exists():  # an incomplete earlier extraction
             shutil.rmtree(target)
         os.replace(extracted, target)
@@ -652,9 +633,7 @@ def normalize(x_uint8: torch.Tensor) -> torch.Tensor:
 
 def _label_vector(labels: torch.Tensor) -> torch.Tensor:
     if labels.ndim != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(
-            f"labels must be a 1-D integer tensor, got {labels.dtype} {tuple(labels.shape)}"
-        )
+        raise ValueError(f"labels must be a 1-D integer tensor, got {labels.dtype} {tuple(labels.shape)}")
     return labels.detach().cpu().long()
 
 
@@ -682,16 +661,13 @@ def balanced_subset(labels: torch.Tensor, n: int, generator: torch.Generator) ->
         members = torch.nonzero(labels == label).squeeze(1)
         if count > len(members):
             raise ValueError(
-                f"balanced_subset: n={n} needs {count} examples of class {label}, "
-                f"but only {len(members)} exist"
+                f"balanced_subset: n={n} needs {count} examples of class {label}, but only {len(members)} exist"
             )
         chosen.append(members[torch.randperm(len(members), generator=generator)[:count]])
     return torch.sort(torch.cat(chosen)).values
 
 
-def train_val_split(
-    labels: torch.Tensor, n_val: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def train_val_split(labels: torch.Tensor, n_val: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Split train-set indices into (train_idx, val_idx); val is class-balanced.
 
     Carve the validation set from the TRAIN split only: the test split is never
@@ -702,71 +678,8 @@ def train_val_split(
     if n_val == 0:
         return torch.arange(len(labels)), torch.empty(0, dtype=torch.long)
     if n_val >= len(labels):
-        raise ValueError(
-            f"train_val_split: n_val={n_val} leaves no training examples of {len(labels)}"
-        )
+        raise ValueError(f"train_val_split: n_val={n_val} leaves no training examples of {len(labels)}")
     val_idx = balanced_subset(labels, n_val, generator)
     is_train = torch.ones(len(labels), dtype=torch.bool)
     is_train[val_idx] = False
     return torch.nonzero(is_train).squeeze(1), val_idx
-
-
-# ---------------------------------------------------------------------------
-# Modular arithmetic
-# ---------------------------------------------------------------------------
-
-MODULAR_OPS = ("+", "-", "*", "/")
-
-
-@dataclass(frozen=True, eq=False)
-class ModularTask:
-    """All equations (a op b) mod p as tokens (a, b, "="), split into train and validation.
-
-    Token ids: residues 0..p-1, and p for "=". Division is a * b^(-1) mod p and is defined only
-    for b != 0 (p must be prime so that every b != 0 has an inverse).
-    """
-
-    p: int
-    op: str
-    train_tokens: torch.Tensor  # (n_train, 3) int64
-    train_labels: torch.Tensor  # (n_train,) int64
-    val_tokens: torch.Tensor
-    val_labels: torch.Tensor
-
-
-def _is_prime(p: int) -> bool:
-    return p >= 2 and all(p % k for k in range(2, int(p**0.5) + 1))
-
-
-def modular_table(p: int, op: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every (a, b) of the task with its answer: tokens (N, 3) = (a, b, p) and labels (N,)."""
-    if op not in MODULAR_OPS:
-        raise ValueError(f"op must be one of {MODULAR_OPS}, got {op!r}")
-    if not _is_prime(p):
-        raise ValueError(f"p must be prime (got {p}): division needs every b != 0 to be invertible mod p")
-    a, b = torch.meshgrid(torch.arange(p), torch.arange(p), indexing="ij")
-    a, b = a.reshape(-1), b.reshape(-1)
-    if op == "/":
-        keep = b != 0
-        a, b = a[keep], b[keep]
-        inverse = torch.tensor([pow(int(x), p - 2, p) for x in b])  # Fermat: b^(p-2) = b^(-1) mod p
-        labels = (a * inverse) % p
-    elif op == "+":
-        labels = (a + b) % p
-    elif op == "-":
-        labels = (a - b) % p
-    else:
-        labels = (a * b) % p
-    tokens = torch.stack([a, b, torch.full_like(a, p)], dim=1)
-    return tokens, labels
-
-
-def modular_task(p: int = 113, op: str = "+", train_fraction: float = 0.3, split_seed: int = 0) -> ModularTask:
-    """The task with a random train/validation split fixed by split_seed (independent of the model seed)."""
-    if not 0.0 < train_fraction < 1.0:
-        raise ValueError(f"train_fraction must lie in (0, 1), got {train_fraction}")
-    tokens, labels = modular_table(p, op)
-    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
-    n_train = int(round(train_fraction * len(labels)))
-    tr, va = perm[:n_train], perm[n_train:]
-    return ModularTask(p, op, tokens[tr], labels[tr], tokens[va], labels[va])

@@ -22,28 +22,47 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..data import modular_task
 from ..manifold import isometry_error
 from ..metrics import attention_metrics
-from ..nn import ModularTransformer, qk_matrices
-from ..runner import Cell
+from ..nn import qk_matrices
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
+from .family import Family
+from .grok_report import GROK_THRESHOLD, SLINGSHOT_OPS, claim_rows, write_grok_report
+from .models import ModularTransformer
+from .modular import modular_task
+from .records import Cell
 
 _REFERENCE = dict(p=113, d_model=128, n_heads=4, head_dim=32, d_mlp=512, n_layers=1, layernorm=False)
 PROFILES: dict[str, dict] = {
-    "smoke": dict(model=dict(p=23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=1, layernorm=False),
-                  epochs=300, eval_every=10, slingshot_epochs=400),
+    "smoke": dict(
+        model=dict(p=23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=1, layernorm=False),
+        epochs=300,
+        eval_every=10,
+        slingshot_epochs=400,
+    ),
     # The reference widths do not fit 15 min per 20,000 epochs on one core (benchmarks/grok_speed.py
     # measures both profiles; README). Halving every width and using p=97 (the prime of the original
     # grokking paper) does; the `single` experiment shows whether this model still groks.
-    "cpu": dict(model=dict(p=97, d_model=64, n_heads=4, head_dim=16, d_mlp=256, n_layers=1, layernorm=False),
-                epochs=20000, eval_every=20, slingshot_epochs=40000),
+    "cpu": dict(
+        model=dict(p=97, d_model=64, n_heads=4, head_dim=16, d_mlp=256, n_layers=1, layernorm=False),
+        epochs=20000,
+        eval_every=20,
+        slingshot_epochs=40000,
+    ),
     "paper": dict(model=_REFERENCE, epochs=20000, eval_every=10, slingshot_epochs=100000),
 }
 # The usual reference optimisation (Nanda et al.'s setup): AdamW lr 1e-3, betas (0.9, 0.98),
 # weight decay 1.0, 10-step linear warm-up, full batch.
-BASE = dict(lr=1e-3, frame_lr=1e-3, betas=[0.9, 0.98], weight_decay=1.0, warmup_steps=10, train_fraction=0.3,
-            max_step=0.1, regularize="all")
+BASE = dict(
+    lr=1e-3,
+    frame_lr=1e-3,
+    betas=[0.9, 0.98],
+    weight_decay=1.0,
+    warmup_steps=10,
+    train_fraction=0.3,
+    max_step=0.1,
+    regularize="all",
+)
 ARMS = ("adamw", "stiefel-adam")
 # The controls on a+b, mechanism-deciding arms first (they run first): no decay on Q/K, the constraint
 # by parametrization, frozen frames; then the modern baselines and the learnable temperature.
@@ -55,15 +74,23 @@ DECAY_VALUES = (0.1, 0.3)  # weight decay of the `decay` experiment; 1.0 is the 
 EXPERIMENTS = ("single", "study", "slingshot", "controls", "decay")
 DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5}
 STUDY_OPS = ("+", "-")
-GROK_THRESHOLD = 0.95
 
 
 def make_config(profile: str, arm: str, seed: int, op: str = "+", **overrides) -> dict:
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     prof = PROFILES[profile]
-    cfg = dict(profile=profile, arm=arm, seed=seed, split_seed=seed, op=op, model=dict(prof["model"]),
-               epochs=prof["epochs"], eval_every=prof["eval_every"], **BASE)
+    cfg = dict(
+        profile=profile,
+        arm=arm,
+        seed=seed,
+        split_seed=seed,
+        op=op,
+        model=dict(prof["model"]),
+        epochs=prof["epochs"],
+        eval_every=prof["eval_every"],
+        **BASE,
+    )
     if not arm_spec(arm).trust_region:
         cfg["max_step"] = None
     unknown = set(overrides) - set(cfg)
@@ -83,12 +110,7 @@ def _cell(cfg: dict, tag: str = "") -> Cell:
 # cycle after cycle. The pilot keeps those conditions for the routing frames and the unconstrained
 # Q/K alike and regularises only the rest of the circuit (embeddings, W_V, W_O, MLP, unembedding)
 # with a weak decay, the same in both arms: the arms differ only in whether Q/K are frames.
-SLINGSHOT = dict(weight_decay=0.1, regularize="non-qk", betas=[0.9, 0.98], eps=1e-8)
-# Two pilots under the same conditions. Division is the slingshot paper's task. Addition was added
-# after the division pilot of the `cpu` profile never generalised in either arm (best validation
-# accuracy < 2%): with nothing grokked, "stable grokking" is untestable there, while addition is the
-# task on which this profile's Stiefel arm demonstrably groks (the `study`).
-SLINGSHOT_OPS = ("/", "+")
+SLINGSHOT = dict(weight_decay=0.1, regularize="non-qk", betas=[0.9, 0.98], eps=1e-8)  # pilots: SLINGSHOT_OPS
 
 
 def cells(experiment: str, profile: str, seeds: int = 5) -> list[Cell]:
@@ -103,13 +125,24 @@ def cells(experiment: str, profile: str, seeds: int = 5) -> list[Cell]:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     if experiment == "controls":
         first, rest = CONTROL_ARMS[:3], CONTROL_ARMS[3:]
-        return [_cell(make_config(profile, a, s, "+")) for group in (first, rest, ARMS) for s in range(seeds) for a in group]
+        return [
+            _cell(make_config(profile, a, s, "+")) for group in (first, rest, ARMS) for s in range(seeds) for a in group
+        ]
     if experiment == "decay":
-        return [_cell(make_config(profile, a, s, "+", weight_decay=wd)) for wd in (*DECAY_VALUES, BASE["weight_decay"])
-                for s in range(seeds) for a in ARMS]
+        return [
+            _cell(make_config(profile, a, s, "+", weight_decay=wd))
+            for wd in (*DECAY_VALUES, BASE["weight_decay"])
+            for s in range(seeds)
+            for a in ARMS
+        ]
     if experiment == "slingshot":
         epochs = PROFILES[profile]["slingshot_epochs"]
-        over = dict(weight_decay=SLINGSHOT["weight_decay"], regularize=SLINGSHOT["regularize"], betas=SLINGSHOT["betas"], epochs=epochs)
+        over = dict(
+            weight_decay=SLINGSHOT["weight_decay"],
+            regularize=SLINGSHOT["regularize"],
+            betas=SLINGSHOT["betas"],
+            epochs=epochs,
+        )
         return [_cell(make_config(profile, a, 0, op, **over), "-slingshot") for op in SLINGSHOT_OPS for a in ARMS]
     raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(EXPERIMENTS)}")
 
@@ -141,8 +174,13 @@ def _build(cfg: dict, model: ModularTransformer) -> list[torch.optim.Optimizer]:
             raise ValueError(f"regularize='non-qk' is not defined for arm {cfg['arm']!r}")
     elif cfg["regularize"] != "all":
         raise ValueError(f"regularize must be 'all' or 'non-qk', got {cfg['regularize']!r}")
-    hp = HyperParameters(lr=cfg["lr"], weight_decay=cfg["weight_decay"], frame_lr=cfg["frame_lr"],
-                         betas=tuple(cfg["betas"]), max_step=cfg["max_step"])
+    hp = HyperParameters(
+        lr=cfg["lr"],
+        weight_decay=cfg["weight_decay"],
+        frame_lr=cfg["frame_lr"],
+        betas=tuple(cfg["betas"]),
+        max_step=cfg["max_step"],
+    )
     return build_optimizers(model, arm, hp)
 
 
@@ -157,10 +195,13 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
     model = ModularTransformer(**m, **attention_options(cfg["arm"])).to(device)
     opts = _build(cfg, model)
     warm = cfg["warmup_steps"]
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0)
-              for o in opts]
+    scheds = [
+        torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0) for o in opts
+    ]
 
-    log: dict[str, list] = {k: [] for k in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "unembed_norm", "qk_isometry")}
+    log: dict[str, list] = {
+        k: [] for k in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "unembed_norm", "qk_isometry")
+    }
     mechanism: dict[str, list] = {}
     first_grok = None
     t_train = 0.0
@@ -204,12 +245,19 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
             "collapses": find_collapses(log),
         },
         "curves": {**log, "mechanism": mechanism},
-        "timings": {"train_s": t_train, "total_s": time.perf_counter() - t_start,
-                    "epochs_per_s": cfg["epochs"] / t_train, "device": str(device), "threads": torch.get_num_threads()},
+        "timings": {
+            "train_s": t_train,
+            "total_s": time.perf_counter() - t_start,
+            "epochs_per_s": cfg["epochs"] / t_train,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+        },
     }
 
 
-def find_collapses(log: dict, spike: float = 10.0, fitted: float = 1e-2, recovered: float = GROK_THRESHOLD) -> list[dict]:
+def find_collapses(
+    log: dict, spike: float = 10.0, fitted: float = 1e-2, recovered: float = GROK_THRESHOLD
+) -> list[dict]:
     """Slingshot-style collapses in a logged run.
 
     A collapse starts where the training loss, after the network has fitted the training set
@@ -234,12 +282,38 @@ def find_collapses(log: dict, spike: float = 10.0, fitted: float = 1e-2, recover
     events = []
     for k, (a, b, level) in enumerate(spans):
         next_start = spans[k + 1][0] if k + 1 < len(spans) else len(loss)
-        events.append({
-            "epoch": log["epoch"][a],
-            "train_loss_before": level,
-            "train_loss_peak": max(loss[a:b]),
-            "val_acc_before": val[a - 1] if a > 0 else None,
-            "val_acc_min": min(val[a:b]),
-            "survived": b < len(loss) and max(val[b:next_start], default=0.0) >= recovered,
-        })
+        events.append(
+            {
+                "epoch": log["epoch"][a],
+                "train_loss_before": level,
+                "train_loss_peak": max(loss[a:b]),
+                "val_acc_before": val[a - 1] if a > 0 else None,
+                "val_acc_min": min(val[a:b]),
+                "survived": b < len(loss) and max(val[b:next_start], default=0.0) >= recovered,
+            }
+        )
     return events
+
+
+class GrokFamily(Family):
+    name = "grok"
+    help = "modular-arithmetic grokking experiments"
+    profiles = PROFILES
+    experiments = EXPERIMENTS
+    claimed = ("single", "study", "slingshot")
+    reproduce_order = ("single", "slingshot", "study", "controls", "decay")
+
+    def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
+        return cells(experiment, profile, DEFAULT_SEEDS[experiment] if seeds is None else seeds)
+
+    def run(self, config: dict, progress=None, **options) -> dict:
+        return run(config, progress=progress, **options)
+
+    def write_summary(self, out_dir, experiment, records, profile, n_planned, by_key) -> dict:
+        return write_grok_report(out_dir, experiment, records, profile, n_planned=n_planned)
+
+    def claim_rows(self, experiment, summary, link, profile):
+        return claim_rows(experiment, summary, link, profile)
+
+
+FAMILY = GrokFamily()

@@ -1,0 +1,322 @@
+"""The `stiefel-attention` command.
+
+    stiefel-attention certify [--json PATH] [--seed N]   float64 certification of the propositions
+    stiefel-attention demo [--steps N]                   a tiny training run, adamw vs stiefel-adam
+    stiefel-attention FAMILY --experiment NAME --profile smoke|cpu|paper [--seeds N] [--out DIR] ...
+                                                         one experiment of a family (cifar, grok)
+    stiefel-attention reproduce --profile smoke|cpu|paper [--out DIR]   certify, every experiment, report
+    stiefel-attention report [DIR]                       rebuild summaries, plots, REPORT.md
+
+Experiment commands take --executor local|ray (a process pool, or one Ray task per run).
+
+Bad arguments and data problems end in one clear line on stderr and a non-zero exit, never a
+traceback (set STIEFEL_ATTENTION_DEBUG=1 to see the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .family import UserError, all_families, get_family
+from .report import load_records, profiles_in
+
+EXIT_FAILED_CHECK = 1
+EXIT_USAGE = 2
+
+
+def _cmd_certify(args: argparse.Namespace) -> int:
+    from ..certify import certify, format_table, to_json
+
+    t0 = time.perf_counter()
+    results = certify(seed=args.seed)
+    print(format_table(results))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    if args.json:
+        try:
+            to_json(results, args.json, args.seed)
+        except OSError as err:
+            raise UserError(f"cannot write --json {args.json}: {err.strerror}") from None
+        print(f"wrote {args.json}")
+    return 0 if all(c.passed for c in results) else EXIT_FAILED_CHECK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Train the default PatchViT on a synthetic 10-class image task with two arms, same seed."""
+    import torch.nn.functional as F
+
+    from ..manifold import isometry_error
+    from ..nn import qk_matrices
+    from .arms import HyperParameters, attention_options, build_optimizers
+    from .models import PatchViT
+
+    if args.steps < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
+    torch.set_flush_denormal(True)
+    gen = torch.Generator().manual_seed(0)
+    # Class templates plus noise: learnable in a few dozen steps, no download needed.
+    templates = torch.randn(10, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (2048,), generator=gen)
+    images = templates[labels] + 2.0 * torch.randn(2048, 3, 32, 32, generator=gen)
+    for arm in ("adamw", "stiefel-adam"):
+        torch.manual_seed(0)
+        model = PatchViT(**attention_options(arm))
+        (opt,) = build_optimizers(model, arm, HyperParameters(lr=1e-3, weight_decay=0.05, frame_lr=1e-2))
+        order = torch.Generator().manual_seed(1)
+        t0 = time.perf_counter()
+        for step in range(1, args.steps + 1):
+            idx = torch.randint(0, 2048, (64,), generator=order)
+            loss = F.cross_entropy(model(images[idx]), labels[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            acc = (model(images[:512]).argmax(-1) == labels[:512]).float().mean().item()
+        # ||W^T W - I||_F of W_Q/W_K: ~1e-6 for frames, O(1) for the Euclidean arm's matrices
+        iso = max(float(isometry_error(p)) for _, p in qk_matrices(model))
+        print(
+            f"{arm:<13} steps={args.steps} loss={loss.item():.3f} train-acc={acc:.3f} "
+            f"Q/K isometry error={iso:.1e} ({time.perf_counter() - t0:.1f} s)"
+        )
+    return 0
+
+
+def _executor(args: argparse.Namespace):
+    from .runner import InlineExecutor, LocalExecutor, RayExecutor, RayNotInstalled
+
+    if args.executor == "ray":
+        try:
+            RayExecutor.import_ray()
+            return RayExecutor(
+                address=args.ray_address,
+                cpus_per_task=args.ray_cpus_per_task,
+                gpus_per_task=args.ray_gpus_per_task,
+                retries=args.retries,
+            )
+        except RayNotInstalled as err:
+            raise UserError(str(err)) from None
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {args.jobs}")
+    return InlineExecutor() if args.jobs == 1 else LocalExecutor(args.jobs)
+
+
+def default_results_dir(profile: str) -> Path:
+    """`results` holds the committed cpu-profile records; other profiles get their own folder, so a
+    smoke run can never mix its records into (or overwrite the summaries of) the measured ones."""
+    return Path("results") if profile == "cpu" else Path(f"results-{profile}")
+
+
+def _check_one_profile(runs_dir: Path, profile: str) -> None:
+    """Summaries describe one profile; refuse to add records of another to a folder."""
+    others = profiles_in(runs_dir) - {profile}
+    if others:
+        raise UserError(
+            f"{runs_dir} holds records of profile {', '.join(sorted(others))}, not {profile}; "
+            f"use another --out for the {profile} profile (default {default_results_dir(profile)})"
+        )
+
+
+def _family_command(args: argparse.Namespace) -> int:
+    """`stiefel-attention <family> --experiment NAME ...`: run the missing cells, then report."""
+    from .runner import run_cells
+
+    family = get_family(args.command)
+    cells = family.cells(args.experiment, args.profile, args.seeds, **family.cell_options(args))
+    run_options = family.run_options(args)
+    out = Path(args.out or default_results_dir(args.profile) / family.name)
+    _check_one_profile(out / "runs", args.profile)
+    about = family.describe(run_options)
+    print(
+        f"{family.name} {args.experiment}: {len(cells)} runs (profile {args.profile})"
+        + (f", {about}" if about else "")
+        + f", records in {out / 'runs'}"
+    )
+    options = {**run_options, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
+    cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
+    records, failures = run_cells(
+        cells, out / "runs", _executor(args), progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
+    )
+    finished = [records[c.key] for c in cells if c.key in records]
+    by_key = {r["key"]: r for r in load_records(out / "runs", family.name)}
+    family.write_summary(out, args.experiment, finished, args.profile, len(cells), by_key)
+    print((out / args.experiment / "summary.md").read_text())
+    for cell, err in failures:
+        print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    """certify, then every family's experiments through the same code path as their own commands, then report."""
+    out = Path(args.out or default_results_dir(args.profile))
+    families = all_families()
+    for family in families:  # before any run starts, not an hour in
+        _check_one_profile(out / family.name / "runs", args.profile)
+    _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
+    for family in families:  # e.g. the CIFAR data: say so now, not after certification
+        family.run_options(args)
+    print(f"== certify (float64) -> {out / 'certify.json'}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if _cmd_certify(argparse.Namespace(json=str(out / "certify.json"), seed=0)) != 0:
+        print(
+            "certification failed: the optimizer does not satisfy the propositions; no experiment was run",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED_CHECK
+    common = [
+        "--profile",
+        args.profile,
+        "--executor",
+        args.executor,
+        "--retries",
+        str(args.retries),
+        "--ray-cpus-per-task",
+        str(args.ray_cpus_per_task),
+        "--ray-gpus-per-task",
+        str(args.ray_gpus_per_task),
+    ]
+    common += ["--jobs", str(args.jobs)] if args.jobs is not None else []
+    common += ["--device", args.device] if args.device else []
+    common += ["--ray-address", args.ray_address] if args.ray_address else []
+    common += ["--no-progress"] if args.no_progress else []
+    failed = []
+    parser = build_parser()
+    for family in families:
+        for experiment in family.reproduce_order or family.experiments:
+            print(f"\n== {family.name} {experiment} (profile {args.profile})", flush=True)
+            argv = [family.name, "--experiment", experiment, "--out", str(out / family.name), *common]
+            argv += family.forward_arguments(args)
+            sub = parser.parse_args(argv)
+            if sub.func(sub) != 0:
+                failed.append(f"{family.name} {experiment}")
+    print(f"\n== report {out}", flush=True)
+    _cmd_report(argparse.Namespace(dir=str(out)))
+    print(f"\nclaim by claim: {out / 'REPORT.md'}")
+    if failed:
+        print(f"some runs failed in: {', '.join(failed)} (rerun the same command to retry only those)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import rebuild_all
+
+    if not Path(args.dir).is_dir():
+        raise UserError(f"{args.dir} is not a folder (expected a results folder with cifar/runs or grok/runs)")
+    for path in rebuild_all(args.dir):
+        print(f"wrote {path}")
+    return 0
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Where and how runs execute; shared by every command that trains."""
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--executor",
+        default="local",
+        choices=("local", "ray"),
+        help="local: a process pool on this machine (default); ray: one Ray task per run",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="local executor: parallel runs (default: one per core; 1 runs in this process)",
+    )
+    p.add_argument(
+        "--ray-address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a new local cluster)"
+    )
+    p.add_argument(
+        "--ray-cpus-per-task", type=float, default=1, help="CPUs per run, also its torch threads (default 1)"
+    )
+    p.add_argument("--ray-gpus-per-task", type=float, default=0, help="GPUs per run (default 0; 1 for one GPU per run)")
+    p.add_argument(
+        "--retries", type=int, default=2, help="ray: resubmit a failed or killed run up to N times (default 2)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stiefel-attention", description="Stiefel attention: library and benchmark suite."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("certify", help="certify the propositions numerically in float64")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random instances (default 0)")
+    p.set_defaults(func=_cmd_certify)
+
+    p = sub.add_parser("demo", help="a tiny training run: adamw vs stiefel-adam on synthetic images")
+    p.add_argument("--steps", type=int, default=60, help="training steps per arm (default 60)")
+    p.set_defaults(func=_cmd_demo)
+
+    for family in all_families():
+        p = sub.add_parser(family.name, help=family.help)
+        p.add_argument("--experiment", required=True, choices=family.experiments)
+        p.add_argument(
+            "--profile", default="cpu", choices=list(family.profiles), help="model/training size (default cpu)"
+        )
+        p.add_argument(
+            "--seeds", type=int, default=None, help="paired seeds 0..N-1 (default: the experiment's protocol)"
+        )
+        p.add_argument(
+            "--out",
+            default=None,
+            help=f"results folder; runs/ inside is shared by experiments (default: "
+            f"results/{family.name} for the cpu profile, results-PROFILE/{family.name} otherwise)",
+        )
+        family.add_arguments(p)
+        _add_run_args(p)
+        p.set_defaults(func=_family_command)
+
+    p = sub.add_parser("reproduce", help="certify, run every experiment of every family, write the report")
+    p.add_argument(
+        "--profile",
+        default="smoke",
+        choices=["smoke", "cpu", "paper"],
+        help="model/training size (default smoke: minutes)",
+    )
+    p.add_argument(
+        "--out", default=None, help="results folder (default: results for the cpu profile, results-PROFILE otherwise)"
+    )
+    for family in all_families():
+        family.add_reproduce_arguments(p)
+    _add_run_args(p)
+    p.set_defaults(func=_cmd_reproduce)
+
+    p = sub.add_parser("report", help="rebuild every summary, plot and REPORT.md from the run records")
+    p.add_argument("dir", nargs="?", default="results", help="results folder (default: results)")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+    except ImportError as err:  # the library alone is installed, not the suite's extra
+        print(
+            f"stiefel-attention: the benchmark suite needs {err.name or 'its dependencies'}: "
+            "pip install 'stiefel-attention[bench]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted; finished runs are on disk", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, OSError) as err:
+        if os.environ.get("STIEFEL_ATTENTION_DEBUG"):
+            raise
+        print(f"stiefel-attention {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The experiment-family interface, and the registry that runner, report and CLI look families up in.
+
+A family (CIFAR-10 patches, grokking, ...) is one module that defines a `Family` subclass and a
+module-level `FAMILY` instance: its profiles and named experiments, the cells of each experiment,
+how one cell runs, and how an experiment's records become a summary, markdown, plots and claim
+rows. Nothing outside a family's own module branches on its name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+from .records import Cell
+
+__all__ = ["Family", "FAMILY_MODULES", "UserError", "all_families", "get_family"]
+
+# The registered families, in the order `reproduce` runs them and REPORT.md lists them.
+FAMILY_MODULES = ("cifar", "grok")
+
+
+class UserError(Exception):
+    """A problem with what the user asked for or pointed at (bad data path, bad option): one clear line."""
+
+
+class Family:
+    """One experiment family. Subclasses set the class attributes and implement the methods."""
+
+    name: str  # the `family` of its cells and records; also its CLI command and results folder
+    help: str  # one line for the CLI
+    profiles: dict[str, dict]  # model/training sizes: at least "smoke", "cpu", "paper"
+    experiments: tuple[str, ...]  # named experiments, each a set of cells
+    claimed: tuple[str, ...] = ()  # experiments whose summaries carry paper claims (REPORT.md lists them)
+    reproduce_order: tuple[str, ...] = ()  # experiments `reproduce` runs, in this order (default: all)
+
+    # --- planning ---------------------------------------------------------------------------
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Family-specific CLI options (beyond --experiment, --profile, --seeds, --out)."""
+
+    def cells(self, experiment: str, profile: str, seeds: int | None = None, **options: Any) -> list[Cell]:
+        """The runs of one experiment; seeds None means the experiment's default."""
+        raise NotImplementedError
+
+    def cell_options(self, args: argparse.Namespace) -> dict[str, Any]:
+        """What the family's CLI options add to `cells(...)` (e.g. a training-set size)."""
+        return {}
+
+    def run_options(self, args: argparse.Namespace | None) -> dict[str, Any]:
+        """Where to run, not what (e.g. a data source), checked now: raises UserError with one clear line."""
+        return {}
+
+    def add_reproduce_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Options of `reproduce` that this family needs (e.g. where its data is)."""
+
+    def forward_arguments(self, args: argparse.Namespace) -> list[str]:
+        """The argv that passes those `reproduce` options on to this family's own command."""
+        return []
+
+    def describe(self, run_options: dict[str, Any]) -> str:
+        """A few words on the run options for the CLI's first line (e.g. the data source)."""
+        return ""
+
+    # --- running ------------------------------------------------------------------------------
+    def run(self, config: dict, progress=None, **options: Any) -> dict:
+        """Train one cell; return its metrics, curves and timings (the runner adds config and provenance)."""
+        raise NotImplementedError
+
+    # --- reporting ----------------------------------------------------------------------------
+    def experiment_records(self, experiment: str, profile: str, by_key: dict[str, dict]) -> list[dict]:
+        """The records (among by_key, every record of this family and profile) that make up one experiment."""
+        seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=-1)
+        return [by_key[c.key] for c in self.cells(experiment, profile, max(seeds, 1)) if c.key in by_key]
+
+    def n_planned(self, experiment: str, profile: str) -> int:
+        """Runs the experiment plans by default (the denominator of 'k of n runs')."""
+        return len({c.key for c in self.cells(experiment, profile)})
+
+    def write_summary(
+        self,
+        out_dir: Path,
+        experiment: str,
+        records: list[dict],
+        profile: str,
+        n_planned: int | None,
+        by_key: dict[str, dict],
+    ) -> dict:
+        """summary.json, summary.md and plots under out_dir/<experiment>/; returns the summary."""
+        raise NotImplementedError
+
+    def claim_rows(self, experiment: str, summary: dict, link: str, profile: str) -> list[tuple[str, ...]]:
+        """REPORT.md rows (link, profile, claim, measured, verdict) from one experiment's summary."""
+        return []
+
+
+def get_family(name: str) -> Family:
+    """The registered family of that name; a clear error naming the registered ones otherwise."""
+    if name not in FAMILY_MODULES:
+        raise ValueError(f"unknown experiment family {name!r}; registered: {', '.join(FAMILY_MODULES)}")
+    return importlib.import_module(f"{__package__}.{name}").FAMILY
+
+
+def all_families() -> list[Family]:
+    return [get_family(name) for name in FAMILY_MODULES]

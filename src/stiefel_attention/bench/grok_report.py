@@ -1,0 +1,394 @@
+"""Grokking experiments' reports: records -> summary (per-run outcomes, paired studies, slingshot
+pilots), markdown, plots and REPORT rows."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from . import claims
+from .report import fmt_ci, fmt_p, fmt_t, save_figure, write_experiment
+from .stats import paired_comparison
+
+__all__ = ["GROK_THRESHOLD", "SLINGSHOT_OPS", "grok_summary", "grok_markdown", "write_grok_report", "claim_rows"]
+
+GROK_THRESHOLD = 0.95  # validation accuracy that counts as grokked, in runs and in their reports
+# The slingshot pilots, in the order they were planned. Division is the slingshot paper's task. Addition
+# was added after the division pilot of the `cpu` profile never generalised in either arm (best
+# validation accuracy < 2%): with nothing grokked, "stable grokking" is untestable there, while addition
+# is the task on which this profile's Stiefel arm demonstrably groks (the `study`).
+SLINGSHOT_OPS = ("/", "+")
+
+
+def grok_summary(experiment: str, records: list[dict]) -> dict:
+    """Per-arm outcomes and, for the study, paired tests (stiefel-adam - adamw) per operation."""
+    summary: dict = {"experiment": experiment, "n_records": len(records), "runs": []}
+    for rec in sorted(records, key=lambda r: (r["config"]["op"], r["config"]["arm"], r["config"]["seed"])):
+        c, m = rec["config"], rec["metrics"]
+        summary["runs"].append(
+            {
+                "arm": c["arm"],
+                "seed": c["seed"],
+                "op": c["op"],
+                "epochs": c["epochs"],
+                "final_val_acc": 100 * m["final_val_acc"],
+                "epoch_val_acc_95": m["epoch_val_acc_95"],
+                "max_val_acc": 100 * max(rec["curves"]["val_acc"], default=0.0),
+                "max_qk_isometry": m["max_qk_isometry"],
+                "collapses": m["collapses"],
+                "epochs_per_s": rec["timings"]["epochs_per_s"],
+                "total_s": rec["timings"].get("total_s"),
+            }
+        )
+    if experiment == "single":
+        summary["paper"] = claims.GROK_SINGLE
+    elif experiment == "study":
+        summary["paper_text"] = claims.GROK_STUDY_TEXT
+        summary["studies"] = {}
+        for op in sorted({r["op"] for r in summary["runs"]}):
+            table = {
+                arm: {r["seed"]: r for r in summary["runs"] if r["op"] == op and r["arm"] == arm}
+                for arm in ("adamw", "stiefel-adam")
+            }
+            seeds = sorted(set(table["adamw"]) & set(table["stiefel-adam"]))
+            if not seeds:
+                continue
+
+            # A run that never reaches 95% is censored at its last epoch (+1): the comparison then
+            # understates how much slower it was, which we report alongside.
+            def grok_epoch(r):
+                return r["epoch_val_acc_95"] if r["epoch_val_acc_95"] is not None else r["epochs"] + 1
+
+            st_epoch = paired_comparison(
+                [grok_epoch(table["stiefel-adam"][s]) for s in seeds], [grok_epoch(table["adamw"][s]) for s in seeds]
+            )
+            st_acc = paired_comparison(
+                [table["stiefel-adam"][s]["final_val_acc"] for s in seeds],
+                [table["adamw"][s]["final_val_acc"] for s in seeds],
+            )
+            never = {arm: sum(table[arm][s]["epoch_val_acc_95"] is None for s in seeds) for arm in table}
+            summary["studies"][op] = {
+                "seeds": seeds,
+                "never_grokked": never,
+                "epoch_to_95": st_epoch,
+                "final_val_acc": st_acc,
+                "verdict": _study_verdict(st_epoch, st_acc, never),
+            }
+    elif experiment == "slingshot":
+        summary["paper"] = claims.GROK_SLINGSHOT
+        summary["pilots"] = {}
+        for op in sorted({r["op"] for r in summary["runs"]}, key=_slingshot_order):
+            config = next(rec["config"] for rec in records if rec["config"]["op"] == op)
+            summary["pilots"][op] = _slingshot_pilot([r for r in summary["runs"] if r["op"] == op], config)
+    return summary
+
+
+def _single_verdict(runs: list[dict], paper: dict) -> str:
+    """One seed gives an ordering and two endpoints, not an effect size: say whether the ordering and
+    the Stiefel arm's endpoint (>= GROK_THRESHOLD) match the paper's, and how far each arm is from its number."""
+    acc = {r["arm"]: r["final_val_acc"] for r in runs}
+    if set(acc) != {"adamw", "stiefel-adam"}:
+        return "incomplete: needs both arms"
+    same_order = (acc["stiefel-adam"] > acc["adamw"]) == (paper["stiefel-adam"] > paper["adamw"])
+    holds = acc["stiefel-adam"] >= 100 * GROK_THRESHOLD
+    gaps = ", ".join(f"{arm} {acc[arm]:.1f}% vs paper {paper[arm]:.1f}%" for arm in ("stiefel-adam", "adamw"))
+    if same_order and holds:
+        head = "ordering replicates (one seed, no test; the study is the test)"
+    elif same_order:
+        head = "ordering replicates, but the Stiefel arm does not hold >= 95%"
+    else:
+        head = "does not replicate: the baseline ends ahead"
+    return f"{head}: {gaps}"
+
+
+def _slingshot_order(op: str) -> int:
+    return SLINGSHOT_OPS.index(op) if op in SLINGSHOT_OPS else len(SLINGSHOT_OPS)
+
+
+def _slingshot_pilot(runs: list[dict], c: dict) -> dict:
+    """One pilot (one op): its conditions, the isometry ratio and the two-part verdict."""
+    pilot: dict = {
+        "conditions": (
+            f"(a {c['op']} b) mod {c['model']['p']}, train fraction {c['train_fraction']}, "
+            f"{c['epochs']} full-batch epochs, lr {c['lr']:g} (frames {c['frame_lr']:g}), betas {tuple(c['betas'])}, "
+            f"weight decay {c['weight_decay']:g} on "
+            f"{'every parameter except W_Q, W_K' if c['regularize'] == 'non-qk' else c['regularize']}"
+        )
+    }
+    iso = {r["arm"]: r["max_qk_isometry"] for r in runs}
+    if "adamw" in iso and "stiefel-adam" in iso and iso["stiefel-adam"] > 0:
+        pilot["isometry_ratio"] = iso["adamw"] / iso["stiefel-adam"]
+    if "adamw" in iso:
+        # ||W^T W - I||_F of r unit columns is largest, sqrt(r(r-1)), when they are all parallel.
+        r = c["model"]["head_dim"]
+        pilot["parallel_columns_error"] = math.sqrt(r * (r - 1))
+        pilot["unconstrained_isometry"] = iso["adamw"]
+    stiefel = [r for r in runs if r["arm"] == "stiefel-adam"]
+    if stiefel:
+        pilot["verdict"] = "stable grokking " + _slingshot_verdict(stiefel[0])
+        if "isometry_ratio" in pilot:
+            ratio = pilot["isometry_ratio"]
+            pilot["verdict"] += (
+                f"; isometry error >= 10^6 x lower: {'holds' if ratio >= 1e6 else 'does not hold'} "
+                f"(ratio {ratio:.1e}; the constraint guarantees it)"
+            )
+    return pilot
+
+
+def _slingshot_verdict(run: dict) -> str:
+    """'Stable grokking': the Stiefel arm reaches 95% validation accuracy and every collapse after
+    that is survived (validation accuracy back at >= 95% before the next one)."""
+    if run["epoch_val_acc_95"] is None:
+        return (
+            f"does not replicate, the Stiefel arm never groks (best val acc {run['max_val_acc']:.1f}% in "
+            f"{run['epochs']} epochs), so there is no grokked state for a collapse to spare"
+        )
+    after = [c for c in run["collapses"] if c["epoch"] > run["epoch_val_acc_95"]]
+    lost = sum(not c["survived"] for c in after)
+    if lost:
+        return (
+            f"does not replicate, the Stiefel arm groks at epoch {run['epoch_val_acc_95']} but loses it in "
+            f"{lost} of {len(after)} later collapses"
+        )
+    return (
+        f"replicates, the Stiefel arm groks at epoch {run['epoch_val_acc_95']} and survives all "
+        f"{len(after)} later collapses"
+    )
+
+
+def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None) -> str:
+    """The paper's claim: the constrained arm does NOT grok better; the baseline wins (p=0.019).
+
+    With n pairs the exact two-sided Wilcoxon p cannot go below 2 / 2^n (0.0625 for 5 pairs), so a
+    5-seed study where every pair goes one way and the t-test is significant is reported as such,
+    with that floor named, rather than as "no difference".
+    """
+    n = st_epoch["n_seeds"]
+    if n < 2:
+        return "too few seeds to test"
+    if never and all(v == n for v in never.values()):
+        # Epochs-to-95% carries no information; final accuracy still says which arm is ahead.
+        said = f"untestable here: neither arm reaches 95% validation accuracy in any of {n} seeds"
+        if st_acc["mean_diff"] != 0:
+            ahead, wins = (
+                ("the Stiefel arm", st_acc["wins"]) if st_acc["mean_diff"] > 0 else ("the baseline", st_acc["losses"])
+            )
+            said += (
+                f"; final val acc: {ahead} ahead in {wins}/{n} seeds, "
+                f"{st_acc['mean_diff']:+.1f} pp, p_t={fmt_p(st_acc['p_t'])}"
+            )
+        return said
+    faster = st_epoch["mean_diff"] < 0  # stiefel reaches 95% in fewer epochs
+    who = "the Stiefel arm" if faster else "the baseline"
+    wins = st_epoch["losses"] if faster else st_epoch["wins"]  # fewer epochs is a win
+    if st_epoch["supported"]:
+        said = f"{who} groks significantly faster (both tests, {wins}/{n} seeds)"
+    elif wins == n and st_epoch["p_t"] < 0.05:
+        said = (
+            f"{who} groks faster in every seed ({n}/{n}, p_t={fmt_p(st_epoch['p_t'])}; the Wilcoxon p "
+            f"{fmt_p(st_epoch['p_wilcoxon'])} is the smallest {n} pairs allow)"
+        )
+    else:
+        return (
+            "partly replicates: no significant difference in epochs to 95% "
+            "(the paper reports a significant baseline win)"
+        )
+    return ("does not replicate: " if faster else "replicates: ") + said
+
+
+def grok_markdown(summary: dict, profile: str) -> str:
+    exp = summary["experiment"]
+    lines = [
+        f"# Grokking (modular arithmetic) — `{exp}`, profile `{profile}`",
+        "",
+        f"{summary['n_records']} finished runs"
+        + (f" of {summary['n_planned']} planned." if summary.get("n_planned") else "."),
+        "",
+        "| op | arm | seed | epochs | final val acc (%) | best val acc (%) | epoch val acc >= 95% | "
+        "max Q/K isometry error | collapses (survived) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["runs"]:
+        cols = r["collapses"]
+        lines.append(
+            f"| {r['op']} | {r['arm']} | {r['seed']} | {r['epochs']} | {r['final_val_acc']:.1f} | "
+            f"{r.get('max_val_acc', math.nan):.1f} | "
+            f"{r['epoch_val_acc_95'] if r['epoch_val_acc_95'] is not None else 'never'} | {r['max_qk_isometry']:.1e} | "
+            f"{len(cols)} ({sum(c['survived'] for c in cols)}) |"
+        )
+    lines.append("")
+    rates = [r["epochs_per_s"] for r in summary["runs"] if r.get("epochs_per_s")]
+    walls = [r["total_s"] for r in summary["runs"] if r.get("total_s")]
+    if rates and walls:
+        lines += [
+            "Speed as run (the records' own timings): "
+            f"median {statistics.median(rates):.1f} training epochs/s per run; "
+            f"wall-clock per run, evaluation included, median {statistics.median(walls) / 60:.1f} min "
+            f"(range {min(walls) / 60:.1f}-{max(walls) / 60:.1f}).",
+            "",
+        ]
+    if exp == "single":
+        p = summary["paper"]
+        lines += [f"Paper: {p['text']}.", ""]
+    if exp == "study":
+        lines += [
+            f"Paper: {summary['paper_text']}.",
+            "",
+            "| op | measure | stiefel-adam − adamw (mean) | 95% CI | t | p (t) | p (Wilcoxon) | stiefel wins | "
+            "never reached 95% (adamw / stiefel) | verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for op, st in summary["studies"].items():
+            ng = st["never_grokked"]
+            for name, s in (("epochs to 95% val acc", st["epoch_to_95"]), ("final val acc (pp)", st["final_val_acc"])):
+                wins = s["losses"] if name.startswith("epochs") else s["wins"]  # fewer epochs is a win
+                lines.append(
+                    f"| {op} | {name} | {s['mean_diff']:+.1f} | {fmt_ci(s['ci95'], 1)} | {fmt_t(s['t'])} | "
+                    f"{fmt_p(s['p_t'])} | "
+                    f"{fmt_p(s['p_wilcoxon'])} | {wins}/{s['n_seeds']} | {ng['adamw']} / {ng['stiefel-adam']} | "
+                    f"{st['verdict'] if name.startswith('epochs') else ''} |"
+                )
+        lines += [
+            "",
+            "A run that never reaches 95% enters the epoch comparison as its epoch budget + 1, a lower bound on "
+            "its true time, so a gap involving such runs is understated.",
+            "",
+        ]
+    if exp == "slingshot":
+        lines += [
+            f"Paper: {summary['paper']['text']}.",
+            "",
+            "Stable grokking: reach 95% validation accuracy and get back to it after every later collapse. "
+            "Collapse: a train-loss spike > 10x its running minimum after the training set is fitted. "
+            "Survived: validation accuracy back at >= 95% before the next collapse, so in a run that never "
+            "reaches 95% no collapse can be survived.",
+            "",
+        ]
+        for op, pilot in summary["pilots"].items():
+            lines += [f"### Pilot (a {op} b)", "", f"Conditions: {pilot['conditions']}.", ""]
+            if pilot.get("verdict"):
+                lines += [f"Verdict: **{pilot['verdict']}**.", ""]
+            if "isometry_ratio" in pilot:
+                lines += [
+                    f"Measured: max Q/K isometry error, unconstrained / Stiefel = {pilot['isometry_ratio']:.1e} "
+                    "(frames are orthonormal to float32 round-off by construction, so a ratio of this order is "
+                    "expected "
+                    "whenever the unconstrained Q/K drift at all).",
+                    "",
+                ]
+            if "unconstrained_isometry" in pilot:
+                lines += [
+                    f"The unconstrained value, {pilot['unconstrained_isometry']:.2f}, is "
+                    f"{100 * pilot['unconstrained_isometry'] / pilot['parallel_columns_error']:.1f}% of sqrt(r(r-1)) = "
+                    f"{pilot['parallel_columns_error']:.2f}, the error of a head whose r columns are all parallel: "
+                    "its Q/K heads are close to rank one. In a 1-layer model the query is read only at the '=' "
+                    "position, "
+                    "whose input is the same for every equation, so every gradient of W_Q and of W_K is rank one "
+                    "(tests/test_grok.py checks this). The ratio measures that drift, which the unconstrained arm "
+                    "shows from its first few hundred epochs, before any slingshot cycle (curves.png).",
+                    "",
+                ]
+            runs = [r for r in summary["runs"] if r["op"] == op]
+            for r in runs:
+                for c in r["collapses"]:
+                    lines.append(
+                        f"- {r['arm']}: collapse at epoch {c['epoch']}: train loss {c['train_loss_before']:.1e} -> "
+                        f"{c['train_loss_peak']:.1e}, val acc {100 * (c['val_acc_before'] or 0):.1f}% -> "
+                        f"{100 * c['val_acc_min']:.1f}%, survived: {c['survived']}"
+                    )
+            if not any(r["collapses"] for r in runs):
+                lines.append("No collapse occurred in these runs.")
+            lines.append("")
+    for plot in summary.get("plots", []):
+        lines.append(f"![{plot}]({plot})")
+    return "\n".join(lines) + "\n"
+
+
+def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"adamw": "tab:orange", "stiefel-adam": "tab:blue"}
+    ops = sorted({r["config"]["op"] for r in records})
+    fig, axes = plt.subplots(2, len(ops), figsize=(5.5 * len(ops), 6.5), squeeze=False, sharex=True)
+    for j, op in enumerate(ops):
+        for rec in records:
+            if rec["config"]["op"] != op:
+                continue
+            c, arm = rec["curves"], rec["config"]["arm"]
+            kw = dict(color=colors.get(arm, "gray"), alpha=0.8, lw=1)
+            axes[0][j].plot(c["epoch"], [100 * v for v in c["val_acc"]], **kw, label=f"{arm} s{rec['config']['seed']}")
+            axes[1][j].plot(c["epoch"], [max(v, 1e-12) for v in c["qk_isometry"]], **kw)
+        axes[0][j].set_title(f"(a {op} b) mod p")
+        axes[0][j].set_ylabel("validation accuracy (%)")
+        axes[1][j].set_ylabel("Q/K isometry error")
+        axes[1][j].set_yscale("log")
+        axes[1][j].set_xlabel("epoch")
+        axes[0][j].set_xscale("log")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if len(handles) <= 12:
+        axes[0][0].legend(fontsize=7)
+    made: list[str] = []
+    save_figure(fig, out_dir, "curves.png", made, dpi=110)
+    if summary["experiment"] == "slingshot":
+        fig, axes = plt.subplots(1, len(ops), figsize=(7 * len(ops), 3.5), squeeze=False)
+        for ax, op in zip(axes[0], ops):
+            for rec in records:
+                if rec["config"]["op"] == op:
+                    c = rec["curves"]
+                    ax.plot(
+                        c["epoch"],
+                        c["train_loss"],
+                        color=colors.get(rec["config"]["arm"]),
+                        label=rec["config"]["arm"],
+                        lw=1,
+                    )
+            ax.set_title(f"(a {op} b) mod p")
+            ax.set_yscale("log")
+            ax.set_xlabel("epoch")
+            ax.set_ylabel("train loss (spikes = slingshot collapses)")
+            ax.legend()
+        save_figure(fig, out_dir, "train_loss.png", made, dpi=110)
+    return made
+
+
+def write_grok_report(
+    out_dir: str | Path, experiment: str, records: list[dict], profile: str, n_planned: int | None = None
+) -> dict:
+    plots = lambda summary, exp_dir: _grok_plots(summary, records, exp_dir)  # noqa: E731 - needs the curves
+    return write_experiment(
+        out_dir, experiment, grok_summary(experiment, records), plots, grok_markdown, profile, n_planned
+    )
+
+
+def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]:
+    """REPORT rows of one grokking experiment's summary."""
+    rows = []
+    if exp == "single" and s["runs"]:
+        got = ", ".join(f"{r['arm']} {r['final_val_acc']:.1f}% at epoch {r['epochs']}" for r in s["runs"])
+        rows.append((link, prof, s["paper"]["text"], got, _single_verdict(s["runs"], s["paper"]["paper"])))
+    for op, st in s.get("studies", {}).items():
+        e = st["epoch_to_95"]
+        got = (
+            f"stiefel-adam − adamw epochs to 95% val acc: {e['mean_diff']:+.0f} {fmt_ci(e['ci95'], 0)}, "
+            f"p_t={fmt_p(e['p_t'])}, "
+            f"p_W={fmt_p(e['p_wilcoxon'])}, stiefel faster in {e['losses']}/{e['n_seeds']}; never reached 95%: "
+            f"adamw {st['never_grokked']['adamw']}, stiefel {st['never_grokked']['stiefel-adam']}"
+        )
+        rows.append((link, prof, f"op {op}: {s['paper_text']}", got, st["verdict"]))
+    for op, pilot in s.get("pilots", {}).items():
+        runs = [r for r in s["runs"] if r["op"] == op]
+        got = "; ".join(
+            f"{r['arm']}: {len(r['collapses'])} collapses, {sum(c['survived'] for c in r['collapses'])} survived"
+            for r in runs
+        )
+        if "isometry_ratio" in pilot:
+            got += f"; isometry ratio {pilot['isometry_ratio']:.1e}"
+        best = ", ".join(f"{r['arm']} best val acc {r['max_val_acc']:.1f}%" for r in runs)
+        rows.append(
+            (link, prof, f"op {op}: {s['paper']['text']}", f"{got}; {best}", pilot.get("verdict", "pilot: see summary"))
+        )
+    return rows

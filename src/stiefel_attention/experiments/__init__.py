@@ -1,1 +1,0 @@
-"""Experiment families: one readable file each, with `run(config)` and the cells of each experiment."""

@@ -1,0 +1,98 @@
+"""The two layers: a torch-only library and a benchmark suite on top of it, with no import cycle."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "stiefel_attention"
+CORE = ("manifold", "optim", "nn", "metrics", "certify")
+BENCH_ONLY = ("numpy", "scipy", "matplotlib", "PIL", "tqdm", "stiefel_attention.bench")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Package modules imported anywhere in the file (top level or inside functions)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("stiefel_attention")}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            if module.startswith("stiefel_attention"):
+                found.add(module)
+                found |= {f"{module}.{a.name}" for a in node.names}
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    return {m for m in found if m in modules and m != name}
+
+
+GRAPH = {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def test_no_core_module_imports_the_benchmark_layer():
+    for name, deps in GRAPH.items():
+        if not name.startswith("stiefel_attention.bench"):
+            assert not {d for d in deps if d.startswith("stiefel_attention.bench")}, name
+
+
+def test_no_import_cycle():
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            pytest.fail("import cycle: " + " -> ".join(stack[stack.index(node) :] + [node]))
+        if node in done:
+            return
+        for dep in sorted(GRAPH.get(node, ())):
+            if dep != "stiefel_attention" or node.startswith("stiefel_attention.bench"):
+                visit(dep, stack + [node])
+        done.add(node)
+
+    for name in sorted(GRAPH):
+        visit(name, [])
+
+
+def test_importing_the_library_loads_no_benchmark_dependency():
+    """Beyond what `import torch` loads by itself (numpy and tqdm where they are installed)."""
+    code = (
+        "import sys, torch; before = set(sys.modules); import stiefel_attention, "
+        + ", ".join(f"stiefel_attention.{m}" for m in CORE)
+        + f"; print(sorted(m for m in {BENCH_ONLY!r} if m in set(sys.modules) - before))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
+
+
+def test_the_library_requires_torch_alone():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert [d.split(">")[0].split("=")[0] for d in project["dependencies"]] == ["torch"]
+    assert {"numpy", "scipy", "matplotlib", "pillow", "tqdm"} <= {
+        d.split(">")[0].split("=")[0] for d in project["optional-dependencies"]["bench"]
+    }
+
+
+def test_ruff_lint_and_format_are_clean():
+    """Lines of at most 120 characters, sorted imports, no unused names, one formatting style."""
+    ruff = [sys.executable, "-m", "ruff"]
+    if subprocess.run([*ruff, "--version"], capture_output=True).returncode != 0:
+        pytest.skip("ruff is not installed (it is in the test extra)")
+    paths = [str(ROOT / p) for p in ("src", "tests", "benchmarks")]
+    lint = subprocess.run([*ruff, "check", "--no-cache", *paths], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    fmt = subprocess.run([*ruff, "format", "--check", "--no-cache", *paths], capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
