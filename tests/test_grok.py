@@ -316,3 +316,30 @@ def test_slingshot_summary_gives_each_pilot_its_conditions_ratio_and_verdict():
     md = grok_markdown(summary, "cpu")
     assert md.index("### Pilot (a / b)") < md.index("### Pilot (a + b)")
     assert "- stiefel-adam: collapse at epoch 5000" in md.split("### Pilot (a + b)")[1]
+
+
+def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, capsys):
+    args = [
+        "grok",
+        "--experiment",
+        "single",
+        "--profile",
+        "smoke",
+        "--out",
+        str(tmp_path),
+        "--jobs",
+        "1",
+        "--no-progress",
+    ]
+    assert cli.main(args) == 0
+    path = next((tmp_path / "runs").glob("stiefel-adam-*.json"))
+    capsys.readouterr()
+    assert cli.main(["rerun", str(path)]) == 0
+    assert "identical" in capsys.readouterr().out
+    record = json.loads(path.read_text())
+    record["curves"]["val_acc"][3] += 1e-9
+    path.write_text(json.dumps(record))
+    assert cli.main(["rerun", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT" in out and "differ: curves.val_acc" in out
+    assert cli.main(["rerun", str(tmp_path / "nothing.json")]) == 2

@@ -6,6 +6,7 @@
                                                          one experiment of a family (cifar, grok)
     stiefel-attention reproduce --profile smoke|cpu|paper [--out DIR]   certify, every experiment, report
     stiefel-attention report [DIR]                       rebuild summaries, plots, REPORT.md
+    stiefel-attention rerun RECORD...                    re-run recorded runs; are they reproduced exactly?
 
 Experiment commands take --executor local|ray (a process pool, or one Ray task per run).
 
@@ -202,6 +203,36 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rerun(args: argparse.Namespace) -> int:
+    """Re-run committed records' cells in this process and say whether every metric and curve is identical."""
+    from .records import Cell, read_record
+    from .runner import execute_cell, record_differences
+
+    failed = 0
+    for path in args.records:
+        old = read_record(path)
+        if old is None:
+            raise UserError(f"{path}: no readable run record there")
+        family = get_family(old["family"])
+        options = {**family.run_options(args), "device": args.device, "heartbeat_s": 60.0}
+        if old.get("data_source") and options.get("data") and old["data_source"] != options["data"]:
+            print(f"note: {path} was made from {old['data_source']}; re-running on {options['data']}", file=sys.stderr)
+        cell = Cell(old["family"], old["name"], old["config"], options)
+        threads = old.get("timings", {}).get("threads")
+        print(
+            f"re-running {old['name']} ({old['family']}, {threads} thread(s), recorded by {old['code_version']})",
+            flush=True,
+        )
+        diffs = record_differences(old, execute_cell(cell, threads))
+        shared = len(set(old.get("metrics", {}))) + len(set(old.get("curves", {})))
+        print(
+            f"  {'identical' if not diffs else 'DIFFERENT'}: {shared} metrics and curves compared"
+            + (f"; differ: {', '.join(diffs)}" if diffs else "")
+        )
+        failed += bool(diffs)
+    return 1 if failed else 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import rebuild_all
 
@@ -288,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
         family.add_reproduce_arguments(p)
     _add_run_args(p)
     p.set_defaults(func=_cmd_reproduce)
+
+    p = sub.add_parser("rerun", help="re-run recorded runs and check that they reproduce exactly")
+    p.add_argument("records", nargs="+", help="run record files (e.g. results/cifar/runs/adamw-s0-n10000-*.json)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    for family in all_families():
+        family.add_reproduce_arguments(p)
+    p.set_defaults(func=_cmd_rerun)
 
     p = sub.add_parser("report", help="rebuild every summary, plot and REPORT.md from the run records")
     p.add_argument("dir", nargs="?", default="results", help="results folder (default: results)")

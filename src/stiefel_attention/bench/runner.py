@@ -22,7 +22,16 @@ from typing import Protocol
 from .family import get_family
 from .records import Cell, code_version, read_record, write_json_atomic
 
-__all__ = ["Executor", "InlineExecutor", "LocalExecutor", "RayExecutor", "RayNotInstalled", "execute_cell", "run_cells"]
+__all__ = [
+    "Executor",
+    "InlineExecutor",
+    "LocalExecutor",
+    "RayExecutor",
+    "RayNotInstalled",
+    "execute_cell",
+    "record_differences",
+    "run_cells",
+]
 
 
 class Heartbeat:
@@ -297,3 +306,16 @@ def run_cells(
         if bar is not None:
             bar.close()
     return records, failures
+
+
+def record_differences(old: dict, new: dict) -> list[str]:
+    """Where two records of one cell disagree in what the run measured: metrics and curves, compared
+    exactly, over the keys both have (a record made before a metric existed lacks it; timings and
+    provenance are not results)."""
+    diffs = []
+    if old.get("key") != new.get("key"):
+        diffs.append(f"config hash {old.get('key')} != {new.get('key')}")
+    for part in ("metrics", "curves"):
+        a, b = old.get(part, {}), new.get(part, {})
+        diffs += [f"{part}.{k}" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+    return diffs
