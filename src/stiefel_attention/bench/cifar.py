@@ -29,7 +29,7 @@ from ..nn import qk_matrices, routing_parameters
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
 from .cifar10 import DataError, balanced_subset, load_cifar10, normalize, train_val_split
 from .cifar_report import claim_rows, write_cifar_report
-from .family import Family, UserError
+from .family import Family, NotReady, UserError
 from .models import PatchViT
 from .records import Cell
 
@@ -47,7 +47,7 @@ PROFILES: dict[str, dict] = {
         n_val=200,
         lr=2e-3,
         frame_lr=1e-2,
-        sgd_frame_lr=0.3,
+        tuned={"stiefel-sgd": {"frame_lr": 0.3}},
         weight_decay=0.05,
         max_step=0.1,
         warmup_epochs=0,
@@ -65,7 +65,7 @@ PROFILES: dict[str, dict] = {
         n_val=5000,
         lr=2e-3,
         frame_lr=1e-2,
-        sgd_frame_lr=10.0,
+        tuned={"stiefel-sgd": {"frame_lr": 10.0}},
         weight_decay=0.05,
         max_step=0.1,
         warmup_epochs=1,
@@ -83,6 +83,10 @@ PROFILES["paper"] = dict(
 )
 
 MAIN_ARMS = ("adamw", "adamw-orthoinit", "stiefel-adam", "stiefel-sgd", "frozen")
+# The controls and modern baselines (issue: when does the geometry dominate?), each at the learning
+# rate its own validation sweep chose; run beside adamw, frozen and stiefel-adam.
+CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "qk-norm", "muon", "stiefel-adam-temp")
+DECAY_VALUES = (0.0, 0.5)  # weight decay of the `decay` experiment, beside the profile's 0.05
 ABLATION_ARMS = ("stiefel-adam", "no-projector", "coordinate-moment", "stiefel-sgd", "adamw")
 SCALING_NS = (1000, 5000, 10000, 50000)
 # Paired seeds per n in the scaling experiment when --seeds is not given: 12 where runs are cheap
@@ -91,9 +95,18 @@ SCALING_NS = (1000, 5000, 10000, 50000)
 SCALING_SEEDS = {1000: 12, 5000: 12, 10000: 12, 50000: 5}
 # Largest first after the baseline: eps=0.1 is the paper's targeted point (-2.6 pp), so a partial run has it.
 EPS_VALUES = (1e-8, 0.1, 1e-2, 1e-3, 1e-4)
-EXPERIMENTS = ("main", "scaling", "ablation", "eps", "movement", "lr-sweep")
+EXPERIMENTS = ("main", "scaling", "ablation", "eps", "movement", "lr-sweep", "controls", "decay")
 # Paired seeds per experiment in our protocol (the CLI's defaults for the cpu and paper profiles).
-DEFAULT_SEEDS = {"main": 12, "scaling": 12, "ablation": 12, "eps": 12, "movement": 12, "lr-sweep": 2}
+DEFAULT_SEEDS = {
+    "main": 12,
+    "scaling": 12,
+    "ablation": 12,
+    "eps": 12,
+    "movement": 12,
+    "lr-sweep": 2,
+    "controls": 12,
+    "decay": 12,
+}
 
 
 def default_seeds(experiment: str, profile: str) -> int:
@@ -114,7 +127,13 @@ def make_config(profile_name: str, arm: str, seed: int, n: int, split: str = "te
         raise ValueError(f"unknown profile {profile_name!r}; choose one of {', '.join(PROFILES)}")
     arm_spec(arm)  # validates
     prof = copy.deepcopy(PROFILES[profile_name])
-    frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
+    tuned = prof["tuned"].get(arm, {})
+    if arm in CONTROL_ARMS and not tuned and split == "test" and profile_name != "smoke":
+        raise NotReady(
+            f"profile {profile_name!r} has no learning rate chosen for arm {arm!r} yet: run "
+            f"`stiefel-attention cifar --experiment lr-sweep --profile {profile_name}` and enter the "
+            "best validation rate in PROFILES[...]['tuned']"
+        )
     # The trust region belongs to the paper's Adam rule; the fixed-step SGD arm stays degree one in
     # the gradient (a binding cap would make it partly scale free).
     max_step = prof["max_step"] if arm_spec(arm).trust_region else None
@@ -128,8 +147,8 @@ def make_config(profile_name: str, arm: str, seed: int, n: int, split: str = "te
         epochs=epochs_for(n, prof),
         batch_size=prof["batch_size"],
         eval_every=prof["eval_every"],
-        lr=prof["lr"],
-        frame_lr=frame_lr,
+        lr=tuned.get("lr", prof["lr"]),
+        frame_lr=tuned.get("frame_lr", prof["frame_lr"]),
         weight_decay=prof["weight_decay"],
         betas=[0.9, 0.999],
         eps=1e-8,
@@ -155,6 +174,8 @@ def _cell(cfg: dict) -> Cell:
         variant += f"-eps{cfg['frame_eps']:g}"
     if cfg["split"] == "val":
         variant += f"-val-lr{cfg['lr']:g}-flr{cfg['frame_lr']:g}"
+    if cfg["weight_decay"] != PROFILES[cfg["profile"]]["weight_decay"]:
+        variant += f"-wd{cfg['weight_decay']:g}"
     return Cell("cifar", f"{cfg['arm']}-s{cfg['seed']}{variant}", cfg)
 
 
@@ -163,6 +184,15 @@ def _cell(cfg: dict) -> Cell:
 # fixed-step grid was extended twice because its best value sat on the edge (1.0, then 3.0).
 LR_GRID = (5e-4, 1e-3, 2e-3, 4e-3)
 FRAME_LR_GRID = {"stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1), "stiefel-sgd": (0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)}
+# The control arms' grids: the rate their arm sweeps (`Arm.swept`), every other rate at the profile's.
+# AdamW-scale rates for AdamW on the parametrization's originals and for Muon (match_rms_adamw).
+CONTROL_LR_GRID = {
+    "adamw-qk-nodecay": LR_GRID,
+    "qk-norm": LR_GRID,
+    "orthogonal-param": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
+    "muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
+    "stiefel-adam-temp": FRAME_LR_GRID["stiefel-adam"],
+}
 
 
 def cells(experiment: str, profile: str, seeds: int, n: int | None = None, per_n_seeds: bool = False) -> list[Cell]:
@@ -197,6 +227,23 @@ def cells(experiment: str, profile: str, seeds: int, n: int | None = None, per_n
         out = [_cell(make_config(profile, "adamw", s, n_main, split="val", lr=lr)) for lr in LR_GRID for s in S]
         for arm, grid in FRAME_LR_GRID.items():
             out += [_cell(make_config(profile, arm, s, n_main, split="val", frame_lr=f)) for f in grid for s in S]
+        for arm, grid in CONTROL_LR_GRID.items():
+            which = arm_spec(arm).swept
+            out += [_cell(make_config(profile, arm, s, n_main, split="val", **{which: x})) for x in grid for s in S]
+    elif experiment == "controls":
+        out = [
+            _cell(make_config(profile, a, s, n_main))
+            for a in ("adamw", "frozen", "stiefel-adam", *CONTROL_ARMS)
+            for s in S
+        ]
+    elif experiment == "decay":
+        wds = (*DECAY_VALUES, PROFILES[profile]["weight_decay"])
+        out = [
+            _cell(make_config(profile, a, s, n_main, weight_decay=wd))
+            for wd in wds
+            for s in S
+            for a in ("adamw", "stiefel-adam")
+        ]
     else:
         raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(EXPERIMENTS)}")
     return out
@@ -394,7 +441,7 @@ class CifarFamily(Family):
     experiments = EXPERIMENTS
     claimed = ("main", "scaling", "ablation", "eps", "movement")
     # the lr sweep first: it is how the profile's rates were chosen, and `movement` reads it
-    reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling")
+    reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling", "controls", "decay")
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(
@@ -449,6 +496,8 @@ class CifarFamily(Family):
         """
         mine = [r for r in by_key.values() if r["config"]["profile"] == profile]
         seeds = 1 + max((r["config"]["seed"] for r in mine), default=0)
+        if experiment == "controls" and not all(PROFILES[profile]["tuned"].get(a) for a in CONTROL_ARMS):
+            return []  # not planned until every control arm has its swept learning rate
         if experiment == "scaling":
             return [by_key[c.key] for c in cells(experiment, profile, seeds) if c.key in by_key]
         sizes = sorted({r["config"]["n_train"] for r in mine})

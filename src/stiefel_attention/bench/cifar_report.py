@@ -8,6 +8,16 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import claims
+from .arms import arm_spec
+from .geometry import (
+    Measure,
+    controls_markdown,
+    controls_summary,
+    decay_markdown,
+    decay_summary,
+    lead_plot,
+    mechanism_plot,
+)
 from .report import comparison_rows, fmt_ci, fmt_p, fmt_t, save_figure, verdict, write_experiment
 from .stats import describe, paired_comparison
 
@@ -16,6 +26,9 @@ __all__ = ["cifar_summary", "summary_markdown", "write_cifar_report", "claim_row
 
 def _acc_pp(rec: dict) -> float:
     return 100.0 * rec["metrics"]["final_eval_acc"]
+
+
+TEST_ACCURACY = Measure("final test accuracy", "pp", _acc_pp, higher_is_better=True)
 
 
 def _by_arm_seed(records: list[dict], label) -> dict[str, dict[int, float]]:
@@ -88,6 +101,10 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
         summary.update(_movement_summary(records))
     elif experiment == "lr-sweep":
         summary.update(_lr_sweep_summary(records))
+    elif experiment == "controls":
+        summary["controls"] = controls_summary(records, TEST_ACCURACY)
+    elif experiment == "decay":
+        summary["decay"] = decay_summary(records, TEST_ACCURACY)
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
     return summary
@@ -166,24 +183,26 @@ def _movement_summary(records: list[dict]) -> dict:
 
 
 def _lr_sweep_summary(records: list[dict]) -> dict:
-    """Mean validation accuracy per (arm, learning rate); the best per arm is the profile's choice."""
+    """Mean validation accuracy per (arm, learning rate); the best per arm is the profile's choice.
+
+    Each arm sweeps the rate its `Arm.swept` names (every parameter's lr, or W_Q, W_K's frame_lr). A
+    choice at the edge of its grid is flagged: the protocol is to extend such a grid.
+    """
     acc: dict[tuple[str, float], list[float]] = defaultdict(list)
     for rec in records:
         c = rec["config"]
-        lr = c["lr"] if c["arm"] == "adamw" else c["frame_lr"]
-        acc[(c["arm"], lr)].append(_acc_pp(rec))
-    grid = [
-        {"arm": a, "lr": lr, "which_lr": "lr" if a == "adamw" else "frame_lr", **describe(v)}
-        for (a, lr), v in sorted(acc.items())
-    ]
+        acc[(c["arm"], c[arm_spec(c["arm"]).swept])].append(_acc_pp(rec))
+    grid = [{"arm": a, "lr": lr, "which_lr": arm_spec(a).swept, **describe(v)} for (a, lr), v in sorted(acc.items())]
     best = {}
     for row in grid:
         if row["arm"] not in best or row["mean"] > best[row["arm"]]["mean"]:
             best[row["arm"]] = row
-    return {
-        "grid": grid,
-        "chosen": {a: {"which_lr": r["which_lr"], "lr": r["lr"], "val_acc_mean": r["mean"]} for a, r in best.items()},
-    }
+    chosen = {a: {"which_lr": r["which_lr"], "lr": r["lr"], "val_acc_mean": r["mean"]} for a, r in best.items()}
+    for arm, choice in chosen.items():
+        rates = [row["lr"] for row in grid if row["arm"] == arm]
+        if len(rates) > 2 and choice["lr"] in (min(rates), max(rates)):
+            choice["on_grid_edge"] = True
+    return {"grid": grid, "chosen": chosen}
 
 
 def _md_comparisons(summary: dict) -> list[str]:
@@ -266,6 +285,13 @@ def summary_markdown(summary: dict, profile: str) -> str:
             + ", ".join(f"{a}: {r['which_lr']}={r['lr']:g}" for a, r in summary["chosen"].items()),
             "",
         ]
+        edge = [a for a, r in summary["chosen"].items() if r.get("on_grid_edge")]
+        if edge:
+            lines += [f"At the edge of its grid (the grid is to be extended): {', '.join(edge)}.", ""]
+    if "controls" in summary:
+        lines += controls_markdown(summary["controls"])
+    if "decay" in summary:
+        lines += decay_markdown(summary["decay"])
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"
@@ -362,6 +388,10 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         ax.set_ylabel("per-step Q/K movement ratio")
         ax.legend()
         save_figure(fig, out_dir, "movement_ratio.png", made)
+    if "controls" in summary:
+        mechanism_plot(summary["controls"], out_dir, made)
+    if "decay" in summary:
+        lead_plot(summary["decay"], out_dir, made)
     return made
 
 

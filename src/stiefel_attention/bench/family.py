@@ -15,7 +15,7 @@ from typing import Any
 
 from .records import Cell
 
-__all__ = ["Family", "FAMILY_MODULES", "UserError", "all_families", "get_family"]
+__all__ = ["Family", "FAMILY_MODULES", "NotReady", "UserError", "all_families", "get_family"]
 
 # The registered families, in the order `reproduce` runs them and REPORT.md lists them.
 FAMILY_MODULES = ("cifar", "grok")
@@ -23,6 +23,10 @@ FAMILY_MODULES = ("cifar", "grok")
 
 class UserError(Exception):
     """A problem with what the user asked for or pointed at (bad data path, bad option): one clear line."""
+
+
+class NotReady(UserError, ValueError):
+    """An experiment cannot be planned yet (e.g. an arm's learning rate awaits its sweep): it has no records."""
 
 
 class Family:
@@ -71,7 +75,10 @@ class Family:
     def experiment_records(self, experiment: str, profile: str, by_key: dict[str, dict]) -> list[dict]:
         """The records (among by_key, every record of this family and profile) that make up one experiment."""
         seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=-1)
-        return [by_key[c.key] for c in self.cells(experiment, profile, max(seeds, 1)) if c.key in by_key]
+        try:
+            return [by_key[c.key] for c in self.cells(experiment, profile, max(seeds, 1)) if c.key in by_key]
+        except NotReady:
+            return []
 
     def n_planned(self, experiment: str, profile: str) -> int:
         """Runs the experiment plans by default (the denominator of 'k of n runs')."""

@@ -311,11 +311,26 @@ def run_cells(
 def record_differences(old: dict, new: dict) -> list[str]:
     """Where two records of one cell disagree in what the run measured: metrics and curves, compared
     exactly, over the keys both have (a record made before a metric existed lacks it; timings and
-    provenance are not results)."""
+    provenance are not results). Each entry names the key and, for numbers, the largest relative gap."""
     diffs = []
     if old.get("key") != new.get("key"):
         diffs.append(f"config hash {old.get('key')} != {new.get('key')}")
     for part in ("metrics", "curves"):
         a, b = old.get(part, {}), new.get(part, {})
-        diffs += [f"{part}.{k}" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+        for k in sorted(set(a) & set(b)):
+            if a[k] != b[k]:
+                gap = _largest_relative_gap(a[k], b[k])
+                diffs.append(f"{part}.{k}" + (f" (relative {gap:.1e})" if gap is not None else ""))
     return diffs
+
+
+def _largest_relative_gap(a, b) -> float | None:
+    """max |a - b| / max(|a|, |b|) over matching numbers of two equally shaped values; None if not comparable."""
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(a - b) / max(abs(a), abs(b), 1e-300)
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        gaps = [_largest_relative_gap(x, y) for x, y in zip(a, b)]
+        return None if any(g is None for g in gaps) else max(gaps, default=0.0)
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return _largest_relative_gap([a[k] for k in sorted(a)], [b[k] for k in sorted(a)])
+    return None

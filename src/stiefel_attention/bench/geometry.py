@@ -1,0 +1,387 @@
+"""When does the geometry dominate? The controls and weight-decay experiments of every testbed.
+
+Each family measures its runs with one number per run (CIFAR: test accuracy in percent; grokking:
+epochs to 95% validation accuracy, censored at the budget) and hands the records here:
+
+- `controls_summary`: per arm, the paired comparisons that separate the explanations: the
+  testbed's sensitivity (adamw, trained Q/K, against frozen random orthonormal Q/K: a testbed where
+  they tie cannot rank Q/K optimizers), stiefel-adam against every other arm, every control against
+  adamw; and the mechanism metrics averaged over seeds.
+- `decay_summary`: the stiefel-adam lead over adamw at each weight decay.
+- `geometry_section`: the REPORT.md section, one row per testbed, with a verdict sentence computed
+  from those numbers, and a plot of the lead against weight decay.
+
+A difference is called significant here where its 95% CI excludes 0 (paired t); whether the
+Wilcoxon test agrees is printed beside it (with 5 pairs it cannot go below 0.0625).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from .report import fmt_ci, fmt_p, save_figure
+from .stats import describe, paired_comparison
+
+__all__ = ["Measure", "controls_summary", "decay_summary", "mechanism_curves", "geometry_section", "GEOMETRY_ARMS"]
+
+SENSITIVITY = ("adamw", "frozen")  # trained against frozen Q/K
+# Arms compared with stiefel-adam in every testbed, in the order the report lists them.
+GEOMETRY_ARMS = ("adamw", "frozen", "adamw-qk-nodecay", "orthogonal-param", "qk-norm", "muon", "stiefel-adam-temp")
+PLOTTED_METRICS = ("entropy_frac", "stable_rank", "max_logit", "spectral_norm")
+
+
+class Measure:
+    """How a family scores a run: name, unit, value(record) and whether higher is better."""
+
+    def __init__(self, name: str, unit: str, value: Callable[[dict], float], higher_is_better: bool):
+        self.name, self.unit, self.value, self.higher_is_better = name, unit, value, higher_is_better
+
+    def describe(self) -> dict:
+        return {"name": self.name, "unit": self.unit, "higher_is_better": self.higher_is_better}
+
+
+def _table(records: list[dict], measure: Measure, label=lambda c: c["arm"]) -> dict[str, dict[int, float]]:
+    table: dict[str, dict[int, float]] = defaultdict(dict)
+    for rec in records:
+        table[label(rec["config"])][rec["config"]["seed"]] = measure.value(rec)
+    return table
+
+
+def compare(table: dict[str, dict[int, float]], arm: str, baseline: str) -> dict | None:
+    """Paired statistics of arm - baseline over the seeds both have, with the per-seed differences."""
+    if arm not in table or baseline not in table:
+        return None
+    seeds = sorted(set(table[arm]) & set(table[baseline]))
+    if not seeds:
+        return None
+    st = paired_comparison([table[arm][s] for s in seeds], [table[baseline][s] for s in seeds])
+    st["seeds"] = seeds
+    st["diffs"] = [table[arm][s] - table[baseline][s] for s in seeds]
+    st["arm"], st["baseline"] = arm, baseline
+    return st
+
+
+def mechanism_curves(records: list[dict], label=lambda c: c["arm"]) -> dict[str, dict]:
+    """Per arm: each mechanism metric over training, mean over seeds of the mean over layers (of the mean
+    over heads), at the evaluation points all of its records share. Records without metrics are left out."""
+    by_arm: dict[str, list[dict]] = defaultdict(list)
+    for rec in records:
+        if rec["curves"].get("mechanism"):
+            by_arm[label(rec["config"])].append(rec)
+    out = {}
+    for arm, recs in sorted(by_arm.items()):
+        n = min(len(r["curves"]["epoch"]) for r in recs)
+        curves: dict[str, list] = {"epoch": recs[0]["curves"]["epoch"][:n], "n_seeds": len(recs)}
+        for name in PLOTTED_METRICS:
+            per_seed = [
+                [_mean([layer[0] for layer in point]) for point in r["curves"]["mechanism"][name][:n]] for r in recs
+            ]
+            curves[name] = [_mean([s[i] for s in per_seed]) for i in range(n)]
+        out[arm] = curves
+    return out
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def controls_summary(records: list[dict], measure: Measure) -> dict:
+    """Arms, the sensitivity comparison, stiefel-adam against every arm, every control against adamw."""
+    table = _table(records, measure)
+    comps = []
+    sens = compare(table, *SENSITIVITY)
+    if sens is not None:
+        comps.append({**sens, "role": "sensitivity"})
+    for arm in sorted(table, key=_arm_order):
+        if arm != "stiefel-adam":
+            st = compare(table, "stiefel-adam", arm)
+            if st is not None:
+                comps.append({**st, "role": "stiefel-adam vs arm"})
+    for arm in sorted(table, key=_arm_order):
+        if arm not in ("adamw", "stiefel-adam", "frozen"):
+            st = compare(table, arm, "adamw")
+            if st is not None:
+                comps.append({**st, "role": "control vs adamw"})
+    return {
+        "measure": measure.describe(),
+        "arms": {a: describe(list(v.values())) for a, v in table.items()},
+        "comparisons": comps,
+        "mechanism": mechanism_curves(records),
+    }
+
+
+def decay_summary(records: list[dict], measure: Measure) -> dict:
+    """Per weight decay: both arms and the paired stiefel-adam - adamw lead."""
+    leads = []
+    arms = {}
+    for wd in sorted({r["config"]["weight_decay"] for r in records}):
+        table = _table([r for r in records if r["config"]["weight_decay"] == wd], measure)
+        arms[f"{wd:g}"] = {a: describe(list(v.values())) for a, v in table.items()}
+        st = compare(table, "stiefel-adam", "adamw")
+        if st is not None:
+            leads.append({**st, "weight_decay": wd})
+    return {"measure": measure.describe(), "arms_by_weight_decay": arms, "leads": leads}
+
+
+def _arm_order(arm: str) -> tuple[int, str]:
+    return (GEOMETRY_ARMS.index(arm) if arm in GEOMETRY_ARMS else len(GEOMETRY_ARMS), arm)
+
+
+def significant(st: dict) -> bool:
+    lo, hi = st["ci95"]
+    return not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
+
+
+def fmt_diff(st: dict, unit: str, digits: int = 2) -> str:
+    both = " (both tests)" if st.get("supported") else f", p_W={fmt_p(st['p_wilcoxon'])}"
+    return f"{st['mean_diff']:+.{digits}f} {unit} {fmt_ci(st['ci95'], digits)}, {st['n_seeds']} seeds{both}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown and plots of one experiment
+# ---------------------------------------------------------------------------------------------
+
+
+def controls_markdown(summary: dict, digits: int = 2) -> list[str]:
+    m = summary["measure"]
+    better = "higher" if m["higher_is_better"] else "lower"
+    lines = [
+        f"Measure: {m['name']} ({m['unit']}; {better} is better). Differences are paired by seed.",
+        "",
+        "| arm | n seeds | mean | std |",
+        "|---|---|---|---|",
+    ]
+    for arm in sorted(summary["arms"], key=_arm_order):
+        d = summary["arms"][arm]
+        lines.append(f"| {arm} | {d['n']} | {d['mean']:.{digits}f} | {_fmt(d['std'], digits)} |")
+    lines += [
+        "",
+        "| comparison | role | mean diff | 95% CI | p (t) | p (Wilcoxon) | wins |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in summary["comparisons"]:
+        lines.append(
+            f"| {c['arm']} − {c['baseline']} | {c['role']} | {c['mean_diff']:+.{digits}f} | "
+            f"{fmt_ci(c['ci95'], digits)} | {fmt_p(c['p_t'])} | {fmt_p(c['p_wilcoxon'])} | "
+            f"{c['wins']}/{c['n_seeds']} |"
+        )
+    lines.append("")
+    if summary["mechanism"]:
+        lines += [
+            "Mechanism at the last evaluation (mean over seeds and layers of the mean over heads):",
+            "",
+            "| arm | attention entropy / log N | stable rank of W_Q W_K^T | largest logit | spectral norm |",
+            "|---|---|---|---|---|",
+        ]
+        for arm in sorted(summary["mechanism"], key=_arm_order):
+            c = summary["mechanism"][arm]
+            lines.append(
+                f"| {arm} ({c['n_seeds']} seeds) | " + " | ".join(_fmt(c[k][-1], 3) for k in PLOTTED_METRICS) + " |"
+            )
+        lines.append("")
+    return lines
+
+
+def decay_markdown(summary: dict, digits: int = 2) -> list[str]:
+    m = summary["measure"]
+    lines = [
+        f"Measure: {m['name']} ({m['unit']}). Lead: stiefel-adam − adamw, paired by seed.",
+        "",
+        "| weight decay | adamw mean | stiefel-adam mean | lead | 95% CI | p (t) | p (Wilcoxon) | seeds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for lead in summary["leads"]:
+        arms = summary["arms_by_weight_decay"][f"{lead['weight_decay']:g}"]
+        lines.append(
+            f"| {lead['weight_decay']:g} | {arms['adamw']['mean']:.{digits}f} | "
+            f"{arms['stiefel-adam']['mean']:.{digits}f} | {lead['mean_diff']:+.{digits}f} | "
+            f"{fmt_ci(lead['ci95'], digits)} | {fmt_p(lead['p_t'])} | {fmt_p(lead['p_wilcoxon'])} | "
+            f"{lead['n_seeds']} |"
+        )
+    return lines + [""]
+
+
+def _fmt(x, digits: int) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def mechanism_plot(summary: dict, out_dir: Path, made: list[str], log_x: bool = False) -> None:
+    """Attention entropy and stable rank of W_Q W_K^T over training, a line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mech = summary.get("mechanism") or {}
+    if not mech:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for arm in sorted(mech, key=_arm_order):
+        c = mech[arm]
+        for ax, key in zip(axes, ("entropy_frac", "stable_rank")):
+            pts = [(e, v) for e, v in zip(c["epoch"], c[key]) if v is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, label=f"{arm} ({c['n_seeds']})")
+    axes[0].set_ylabel("attention entropy / log N")
+    axes[1].set_ylabel("stable rank of W_Q W_K^T")
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        if log_x:
+            ax.set_xscale("log")
+    axes[1].legend(fontsize=7)
+    save_figure(fig, out_dir, "mechanism.png", made, dpi=110)
+
+
+def lead_plot(summary: dict, out_dir: Path, made: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not summary["leads"]:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    _draw_leads(ax, summary)
+    save_figure(fig, out_dir, "lead_vs_weight_decay.png", made)
+
+
+def _draw_leads(ax, summary: dict, title: str | None = None) -> None:
+    leads = summary["leads"]
+    xs = [lead["weight_decay"] for lead in leads]
+    means = [lead["mean_diff"] for lead in leads]
+    errs = [
+        [m - lead["ci95"][0] for m, lead in zip(means, leads)],
+        [lead["ci95"][1] - m for m, lead in zip(means, leads)],
+    ]
+    ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel("weight decay")
+    m = summary["measure"]
+    ax.set_ylabel(f"stiefel-adam − adamw\n({m['name']}, {m['unit']})")
+    if title:
+        ax.set_title(title, fontsize=9)
+
+
+# ---------------------------------------------------------------------------------------------
+# REPORT.md: one row per testbed
+# ---------------------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def geometry_section(results_dir: Path, testbeds: list[tuple[str, str]]) -> list[str]:
+    """REPORT.md lines of "When does the geometry dominate?" from <family>/controls and <family>/decay summaries.
+
+    testbeds: (family folder, testbed title), in report order.
+    """
+    rows, panels = [], []
+    for family, title in testbeds:
+        controls = (_load(results_dir / family / "controls" / "summary.json") or {}).get("controls")
+        decay = (_load(results_dir / family / "decay" / "summary.json") or {}).get("decay")
+        if controls is None and decay is None:
+            continue
+        rows.append(_testbed_row(family, title, controls, decay))
+        if decay and decay.get("leads"):
+            panels.append((title, decay))
+    if not rows:
+        return []
+    lines = [
+        "## When does the geometry dominate?",
+        "",
+        "One row per testbed, from its `controls` and `decay` experiments. Sensitivity: trained (adamw) − "
+        "frozen random orthonormal W_Q, W_K; a testbed whose CI includes 0 cannot rank Q/K optimizers. "
+        "A difference counts as significant where its 95% CI excludes 0.",
+        "",
+        "| testbed | measure | sensitivity (adamw − frozen) | stiefel-adam − each arm | lead vs weight decay | "
+        "verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if panels:
+        _geometry_plot(results_dir, panels)
+        lines += ["", "![lead against weight decay](geometry_decay.png)"]
+    return lines + [""]
+
+
+def _testbed_row(family: str, title: str, controls: dict | None, decay: dict | None) -> tuple[str, ...]:
+    summary = controls or decay
+    m = summary["measure"]
+    unit = m["unit"]
+    digits = 0 if unit == "epochs" else 2
+    link = f"[{title}]({family}/controls/summary.md)" if controls else title
+    sens = next((c for c in (controls or {}).get("comparisons", []) if c["role"] == "sensitivity"), None)
+    vs = [c for c in (controls or {}).get("comparisons", []) if c["role"] == "stiefel-adam vs arm"]
+    sens_txt = fmt_diff(sens, unit, digits) if sens else "not run"
+    vs_txt = "; ".join(f"{c['baseline']}: {fmt_diff(c, unit, digits)}" for c in vs) or "not run"
+    leads = (decay or {}).get("leads", [])
+    lead_txt = (
+        "; ".join(
+            f"wd {lead['weight_decay']:g}: {lead['mean_diff']:+.{digits}f} {fmt_ci(lead['ci95'], digits)}"
+            for lead in leads
+        )
+        or "not run"
+    )
+    return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt, _verdict(sens, vs, leads, m, digits))
+
+
+def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digits: int) -> str:
+    """A sentence computed from the numbers: can the testbed rank Q/K optimizers, whom does the Stiefel
+    arm beat, tie or trail, what the controls say about the mechanism, and how the lead moves with decay."""
+    unit = m["unit"]
+    if sens is None:
+        parts = ["sensitivity not measured yet"]
+    elif not significant(sens):
+        parts = [
+            f"cannot rank Q/K optimizers: frozen Q/K score like trained ones ({sens['mean_diff']:+.{digits}f} "
+            f"{unit} {fmt_ci(sens['ci95'], digits)})"
+        ]
+    else:
+        parts = ["learning Q/K matters here"]
+    better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
+    ahead = [c["baseline"] for c in vs if significant(c) and better(c)]
+    behind = [c["baseline"] for c in vs if significant(c) and not better(c)]
+    tied = [c["baseline"] for c in vs if not significant(c)]
+    for names, word in ((ahead, "stiefel-adam is ahead of"), (tied, "ties"), (behind, "trails")):
+        if names:
+            parts.append(f"{word} {', '.join(names)}")
+    by = {c["baseline"]: c for c in vs}
+    if "adamw-qk-nodecay" in by and "orthogonal-param" in by:
+        nodecay, param = by["adamw-qk-nodecay"], by["orthogonal-param"]
+        if significant(nodecay) and better(nodecay) and not significant(param):
+            parts.append(
+                "mechanism: exempting W_Q, W_K from decay does not reproduce the gain, the constraint "
+                "by parametrization does, so the constraint carries it, not the decay exemption nor "
+                "the Riemannian Adam"
+            )
+        elif not significant(nodecay):
+            parts.append(
+                "mechanism: exempting W_Q, W_K from decay matches the Stiefel arm, so the decay "
+                "exemption suffices to explain it"
+            )
+    if len(leads) >= 2:
+        ordered = sorted(leads, key=lambda lead: lead["weight_decay"])
+        grows = all(
+            b["mean_diff"] * (1 if m["higher_is_better"] else -1)
+            > a["mean_diff"] * (1 if m["higher_is_better"] else -1)
+            for a, b in zip(ordered, ordered[1:])
+        )
+        parts.append("the lead grows with weight decay" if grows else "the lead does not grow monotonically with decay")
+    return "; ".join(parts)
+
+
+def _geometry_plot(results_dir: Path, panels: list[tuple[str, dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, decay) in zip(axes[0], panels):
+        _draw_leads(ax, decay, title)
+    save_figure(fig, results_dir, "geometry_decay.png", [])
