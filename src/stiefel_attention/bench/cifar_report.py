@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import claims
 from .arms import arm_spec
+from .fmt import fmt_ci, fmt_p, fmt_t, save_figure
 from .geometry import (
     Measure,
     controls_markdown,
@@ -18,7 +19,7 @@ from .geometry import (
     lead_plot,
     mechanism_plot,
 )
-from .report import comparison_rows, fmt_ci, fmt_p, fmt_t, save_figure, verdict, write_experiment
+from .report import comparison_rows, verdict, write_experiment
 from .stats import describe, paired_comparison
 
 __all__ = ["cifar_summary", "summary_markdown", "write_cifar_report", "claim_rows", "movement_vs_lr"]

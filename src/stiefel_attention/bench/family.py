@@ -33,6 +33,7 @@ class Family:
     """One experiment family. Subclasses set the class attributes and implement the methods."""
 
     name: str  # the `family` of its cells and records; also its CLI command and results folder
+    title: str  # the testbed in words, for REPORT.md
     help: str  # one line for the CLI
     profiles: dict[str, dict]  # model/training sizes: at least "smoke", "cpu", "paper"
     experiments: tuple[str, ...]  # named experiments, each a set of cells

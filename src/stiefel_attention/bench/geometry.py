@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from .report import fmt_ci, fmt_p, save_figure
+from .fmt import fmt_ci, fmt_p, save_figure
 from .stats import describe, paired_comparison
 
 __all__ = ["Measure", "controls_summary", "decay_summary", "mechanism_curves", "geometry_section", "GEOMETRY_ARMS"]
@@ -344,13 +344,20 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
     else:
         parts = ["learning Q/K matters here"]
     better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
-    ahead = [c["baseline"] for c in vs if significant(c) and better(c)]
-    behind = [c["baseline"] for c in vs if significant(c) and not better(c)]
-    tied = [c["baseline"] for c in vs if not significant(c)]
-    for names, word in ((ahead, "stiefel-adam is ahead of"), (tied, "ties"), (behind, "trails")):
+    testable = [c for c in vs if c["n_seeds"] >= 2]
+    ahead = [c["baseline"] for c in testable if significant(c) and better(c)]
+    behind = [c["baseline"] for c in testable if significant(c) and not better(c)]
+    tied = [c["baseline"] for c in testable if not significant(c)]
+    few = [c["baseline"] for c in vs if c["n_seeds"] < 2]
+    for names, words in (
+        (ahead, "stiefel-adam is ahead of"),
+        (tied, "no significant difference from"),
+        (behind, "stiefel-adam trails"),
+        (few, "too few seeds yet for"),
+    ):
         if names:
-            parts.append(f"{word} {', '.join(names)}")
-    by = {c["baseline"]: c for c in vs}
+            parts.append(f"{words} {', '.join(names)}")
+    by = {c["baseline"]: c for c in testable}
     if "adamw-qk-nodecay" in by and "orthogonal-param" in by:
         nodecay, param = by["adamw-qk-nodecay"], by["orthogonal-param"]
         if significant(nodecay) and better(nodecay) and not significant(param):

@@ -297,6 +297,7 @@ def find_collapses(
 
 class GrokFamily(Family):
     name = "grok"
+    title = "modular addition (grokking)"
     help = "modular-arithmetic grokking experiments"
     profiles = PROFILES
     experiments = EXPERIMENTS

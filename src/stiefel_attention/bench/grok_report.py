@@ -8,7 +8,17 @@ import statistics
 from pathlib import Path
 
 from . import claims
-from .report import fmt_ci, fmt_p, fmt_t, save_figure, write_experiment
+from .fmt import fmt_ci, fmt_p, fmt_t, save_figure
+from .geometry import (
+    Measure,
+    controls_markdown,
+    controls_summary,
+    decay_markdown,
+    decay_summary,
+    lead_plot,
+    mechanism_plot,
+)
+from .report import write_experiment
 from .stats import paired_comparison
 
 __all__ = ["GROK_THRESHOLD", "SLINGSHOT_OPS", "grok_summary", "grok_markdown", "write_grok_report", "claim_rows"]
@@ -19,6 +29,15 @@ GROK_THRESHOLD = 0.95  # validation accuracy that counts as grokked, in runs and
 # validation accuracy < 2%): with nothing grokked, "stable grokking" is untestable there, while addition
 # is the task on which this profile's Stiefel arm demonstrably groks (the `study`).
 SLINGSHOT_OPS = ("/", "+")
+
+
+def _epochs_to_grok(rec: dict) -> float:
+    """Epochs to 95% validation accuracy; a run that never gets there counts as its budget + 1 (a lower bound)."""
+    first = rec["metrics"]["epoch_val_acc_95"]
+    return float(first if first is not None else rec["config"]["epochs"] + 1)
+
+
+EPOCHS_TO_GROK = Measure("epochs to 95% validation accuracy (never: budget + 1)", "epochs", _epochs_to_grok, False)
 
 
 def grok_summary(experiment: str, records: list[dict]) -> dict:
@@ -81,6 +100,10 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
         for op in sorted({r["op"] for r in summary["runs"]}, key=_slingshot_order):
             config = next(rec["config"] for rec in records if rec["config"]["op"] == op)
             summary["pilots"][op] = _slingshot_pilot([r for r in summary["runs"] if r["op"] == op], config)
+    elif experiment == "controls":
+        summary["controls"] = controls_summary(records, EPOCHS_TO_GROK)
+    elif experiment == "decay":
+        summary["decay"] = decay_summary(records, EPOCHS_TO_GROK)
     return summary
 
 
@@ -300,6 +323,10 @@ def grok_markdown(summary: dict, profile: str) -> str:
             if not any(r["collapses"] for r in runs):
                 lines.append("No collapse occurred in these runs.")
             lines.append("")
+    if "controls" in summary:
+        lines += controls_markdown(summary["controls"], digits=0)
+    if "decay" in summary:
+        lines += decay_markdown(summary["decay"], digits=0)
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"
@@ -333,6 +360,10 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
         axes[0][0].legend(fontsize=7)
     made: list[str] = []
     save_figure(fig, out_dir, "curves.png", made, dpi=110)
+    if "controls" in summary:
+        mechanism_plot(summary["controls"], out_dir, made, log_x=True)
+    if "decay" in summary:
+        lead_plot(summary["decay"], out_dir, made)
     if summary["experiment"] == "slingshot":
         fig, axes = plt.subplots(1, len(ops), figsize=(7 * len(ops), 3.5), squeeze=False)
         for ax, op in zip(axes[0], ops):

@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 
 from .family import all_families, get_family
+from .fmt import fmt_ci, fmt_p, fmt_t
+from .geometry import geometry_section
 from .records import read_record, write_json_atomic
 
 __all__ = [
@@ -25,10 +27,6 @@ __all__ = [
     "claim_rows",
     "comparison_rows",
     "write_claims_report",
-    "fmt_ci",
-    "fmt_p",
-    "fmt_t",
-    "save_figure",
 ]
 
 
@@ -64,32 +62,6 @@ def verdict(kind: str, paper: float | None, st: dict) -> str:
     if lo <= paper <= hi:
         return "replicates: significant, and the paper's size lies in the 95% CI"
     return f"direction replicates, size does not: paper {paper:+.2f} pp outside the 95% CI [{lo:+.2f}, {hi:+.2f}]"
-
-
-def fmt_ci(ci: list[float], digits: int = 2) -> str:
-    """[lo, hi] with a sign, or n/a when one seed leaves the interval undefined."""
-    lo, hi = ci
-    if math.isnan(lo) or math.isnan(hi):
-        return "n/a"
-    return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
-
-
-def fmt_p(p: float) -> str:
-    return "n/a" if p is None or math.isnan(p) else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
-
-
-def fmt_t(t: float) -> str:
-    """A t statistic; undefined (n/a) when every paired difference is the same, e.g. all zero."""
-    return "n/a" if t is None or math.isnan(t) else f"{t:.2f}"
-
-
-def save_figure(fig, out_dir: Path, name: str, made: list[str], dpi: int = 120) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(out_dir / name, dpi=dpi)
-    plt.close(fig)
-    made.append(name)
 
 
 def write_experiment(
@@ -189,6 +161,8 @@ def write_claims_report(results_dir: str | Path) -> list[Path]:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", finish]
+    geometry = geometry_section(results_dir, [(f.name, f.title) for f in all_families()])
+    lines += ["", *geometry] if geometry else []
     report = results_dir / "REPORT.md"
     report.write_text("\n".join(lines) + "\n")
     glance = [

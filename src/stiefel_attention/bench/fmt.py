@@ -1,0 +1,34 @@
+"""Number formatting and figure saving shared by every report."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+__all__ = ["fmt_ci", "fmt_p", "fmt_t", "save_figure"]
+
+
+def fmt_ci(ci: list[float], digits: int = 2) -> str:
+    """[lo, hi] with a sign, or n/a when one seed leaves the interval undefined."""
+    lo, hi = ci
+    if math.isnan(lo) or math.isnan(hi):
+        return "n/a"
+    return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def fmt_p(p: float) -> str:
+    return "n/a" if p is None or math.isnan(p) else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
+
+
+def fmt_t(t: float) -> str:
+    """A t statistic; undefined (n/a) when every paired difference is the same, e.g. all zero."""
+    return "n/a" if t is None or math.isnan(t) else f"{t:.2f}"
+
+
+def save_figure(fig, out_dir: Path, name: str, made: list[str], dpi: int = 120) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=dpi)
+    plt.close(fig)
+    made.append(name)

@@ -1,0 +1,103 @@
+"""bench/geometry.py: controls and decay summaries, and the verdict of "When does the geometry dominate?"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stiefel_attention.bench.geometry import Measure, controls_summary, decay_summary, geometry_section, significant
+
+ACC = Measure("accuracy", "pp", lambda r: r["metrics"]["acc"], higher_is_better=True)
+EPOCHS = Measure("epochs to grok", "epochs", lambda r: r["metrics"]["acc"], higher_is_better=False)
+
+
+def _rec(arm, seed, value, wd=0.05):
+    mech = {k: [[[v, v, v]] for v in (1.0, 0.5)] for k in ("entropy_frac", "stable_rank", "max_logit", "spectral_norm")}
+    return {
+        "config": {"arm": arm, "seed": seed, "weight_decay": wd},
+        "metrics": {"acc": value},
+        "curves": {"epoch": [1, 2], "mechanism": mech},
+    }
+
+
+def _controls(offsets: dict[str, float], n: int = 6) -> list[dict]:
+    """Per arm, a constant offset plus seed noise shared by the arms; frozen alternates +-0.05 around its offset."""
+    return [
+        _rec(arm, s, 50.0 + off + (s % 3) * 0.1 + (0.05 * (-1) ** s if arm == "frozen" else 0.0))
+        for arm, off in offsets.items()
+        for s in range(n)
+    ]
+
+
+def test_controls_summary_pairs_every_comparison():
+    recs = _controls({"adamw": 0.0, "frozen": -2.0, "stiefel-adam": 1.0, "orthogonal-param": 1.0})
+    s = controls_summary(recs, ACC)
+    roles = {(c["arm"], c["baseline"]): c for c in s["comparisons"]}
+    assert roles[("adamw", "frozen")]["role"] == "sensitivity"
+    assert roles[("stiefel-adam", "adamw")]["mean_diff"] == pytest.approx(1.0)
+    assert roles[("stiefel-adam", "frozen")]["mean_diff"] == pytest.approx(3.0, abs=0.05)
+    assert roles[("orthogonal-param", "adamw")]["role"] == "control vs adamw"
+    assert s["mechanism"]["adamw"]["stable_rank"] == [1.0, 0.5] and s["mechanism"]["adamw"]["n_seeds"] == 6
+
+
+def test_decay_summary_gives_one_lead_per_weight_decay():
+    recs = [
+        _rec(a, s, 50 + (wd * 10 if a == "stiefel-adam" else 0) + 0.1 * s, wd)
+        for wd in (0.0, 0.5)
+        for a in ("adamw", "stiefel-adam")
+        for s in range(4)
+    ]
+    s = decay_summary(recs, ACC)
+    assert [lead["weight_decay"] for lead in s["leads"]] == [0.0, 0.5]
+    assert [lead["mean_diff"] for lead in s["leads"]] == pytest.approx([0.0, 5.0])
+
+
+def _write(tmp_path, family, controls=None, decay=None):
+    for exp, body in (("controls", controls), ("decay", decay)):
+        if body is not None:
+            (tmp_path / family / exp).mkdir(parents=True)
+            (tmp_path / family / exp / "summary.json").write_text(json.dumps({exp: body}))
+
+
+def test_verdict_an_insensitive_testbed_cannot_rank(tmp_path):
+    recs = _controls({"adamw": 0.0, "frozen": 0.0, "stiefel-adam": 0.0})
+    _write(tmp_path, "cifar", controls=controls_summary(recs, ACC))
+    text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR")]))
+    assert "cannot rank Q/K optimizers" in text and "no significant difference from adamw, frozen" in text
+
+
+def test_verdict_names_the_constraint_when_the_decay_exemption_does_not_reproduce_the_gain(tmp_path):
+    # grokking-like: lower is better; frozen and adamw-qk-nodecay never grok, the parametrized constraint does
+    recs = _controls(
+        {"adamw": 20000, "frozen": 20000.5, "adamw-qk-nodecay": 20000, "stiefel-adam": 5000, "orthogonal-param": 5000}
+    )
+    decay = decay_summary(
+        [
+            _rec(a, s, (5000 if a == "stiefel-adam" else 20000) + s, wd)
+            for wd in (0.1, 1.0)
+            for a in ("adamw", "stiefel-adam")
+            for s in range(5)
+        ],
+        EPOCHS,
+    )
+    _write(tmp_path, "grok", controls=controls_summary(recs, EPOCHS), decay=decay)
+    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking")]))
+    assert "learning Q/K matters here" in text
+    assert "stiefel-adam is ahead of adamw, frozen, adamw-qk-nodecay" in text
+    assert "no significant difference from orthogonal-param" in text
+    assert "the constraint carries it, not the decay exemption" in text
+    assert "does not grow monotonically" in text  # the same lead at both decays
+    assert (tmp_path / "geometry_decay.png").exists()
+
+
+def test_too_few_seeds_are_said_and_never_called_a_tie(tmp_path):
+    recs = _controls({"adamw": 0.0, "frozen": -3.0, "stiefel-adam": 1.0}) + [_rec("muon", 0, 49.0)]
+    _write(tmp_path, "cifar", controls=controls_summary(recs, ACC))
+    text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR")]))
+    assert "too few seeds yet for muon" in text and "no significant difference from muon" not in text
+
+
+def test_significance_is_a_ci_that_excludes_zero():
+    assert significant({"ci95": [0.1, 0.3]}) and significant({"ci95": [-0.3, -0.1]})
+    assert not significant({"ci95": [-0.1, 0.3]}) and not significant({"ci95": [float("nan")] * 2})
