@@ -513,3 +513,16 @@ def test_an_unreadable_record_is_skipped_with_a_warning(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unreadable record" in err and "b.json" in err and "a.json" not in err
     assert load_records(tmp_path, family="cifar") == []
+
+
+def test_without_the_bench_extra_the_suite_commands_say_what_to_install(monkeypatch, capsys):
+    def missing():
+        raise ImportError("No module named 'scipy'", name="scipy")
+
+    monkeypatch.setattr(cli, "all_families", missing)
+    assert cli.main(["grok", "--experiment", "single", "--profile", "smoke"]) == 2
+    err = capsys.readouterr().err
+    assert "needs scipy: pip install 'stiefel-attention[bench]'" in err and "Traceback" not in err
+    assert cli.main(["report", "results"]) == 2
+    parser = cli.build_parser()  # certify and demo stay available: they need the library alone
+    assert parser.parse_args(["certify", "--seed", "3"]).func is cli._cmd_certify

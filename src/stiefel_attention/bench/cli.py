@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .family import UserError, all_families, get_family
-from .report import load_records, profiles_in
+from .family import FAMILY_MODULES, UserError, all_families, get_family
 
 EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
@@ -114,6 +113,8 @@ def default_results_dir(profile: str) -> Path:
 
 def _check_one_profile(runs_dir: Path, profile: str) -> None:
     """Summaries describe one profile; refuse to add records of another to a folder."""
+    from .report import profiles_in
+
     others = profiles_in(runs_dir) - {profile}
     if others:
         raise UserError(
@@ -124,6 +125,7 @@ def _check_one_profile(runs_dir: Path, profile: str) -> None:
 
 def _family_command(args: argparse.Namespace) -> int:
     """`stiefel-attention <family> --experiment NAME ...`: run the missing cells, then report."""
+    from .report import load_records
     from .runner import run_cells
 
     family = get_family(args.command)
@@ -286,7 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="training steps per arm (default 60)")
     p.set_defaults(func=_cmd_demo)
 
-    for family in all_families():
+    try:
+        families = all_families()
+    except ImportError as err:  # only the library is installed: the suite's commands say what to install
+        for name in (*FAMILY_MODULES, "reproduce", "rerun", "report"):
+            # prefix_chars: take every option as a plain word, so any arguments reach the hint
+            p = sub.add_parser(name, help="needs: pip install 'stiefel-attention[bench]'", prefix_chars="\0")
+            p.add_argument("rest", nargs="*")
+            p.set_defaults(func=lambda args, missing=err.name: _needs_bench(missing))
+        return parser
+    for family in families:
         p = sub.add_parser(family.name, help=family.help)
         p.add_argument("--experiment", required=True, choices=family.experiments)
         p.add_argument(
@@ -315,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default=None, help="results folder (default: results for the cpu profile, results-PROFILE otherwise)"
     )
-    for family in all_families():
+    for family in families:
         family.add_reproduce_arguments(p)
     _add_run_args(p)
     p.set_defaults(func=_cmd_reproduce)
@@ -323,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rerun", help="re-run recorded runs and check that they reproduce exactly")
     p.add_argument("records", nargs="+", help="run record files (e.g. results/cifar/runs/adamw-s0-n10000-*.json)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    for family in all_families():
+    for family in families:
         family.add_reproduce_arguments(p)
     p.set_defaults(func=_cmd_rerun)
 
@@ -333,17 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _needs_bench(missing: str | None) -> int:
+    raise UserError(
+        f"the benchmark suite needs {missing or 'its dependencies'}: pip install 'stiefel-attention[bench]'"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        parser = build_parser()
-    except ImportError as err:  # the library alone is installed, not the suite's extra
-        print(
-            f"stiefel-attention: the benchmark suite needs {err.name or 'its dependencies'}: "
-            "pip install 'stiefel-attention[bench]'",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
