@@ -38,7 +38,11 @@ def test_controls_summary_pairs_every_comparison():
     assert roles[("stiefel-adam", "adamw")]["mean_diff"] == pytest.approx(1.0)
     assert roles[("stiefel-adam", "frozen")]["mean_diff"] == pytest.approx(3.0, abs=0.05)
     assert roles[("orthogonal-param", "adamw")]["role"] == "control vs adamw"
-    assert s["mechanism"]["adamw"]["stable_rank"] == [1.0, 0.5] and s["mechanism"]["adamw"]["n_seeds"] == 6
+    assert (
+        s["mechanism"]["adamw"]["stable_rank"] == [1.0, 0.5]
+        and s["mechanism"]["adamw"]["x"] == [1, 2]
+        and s["mechanism"]["adamw"]["n_seeds"] == 6
+    )
 
 
 def test_decay_summary_gives_one_lead_per_weight_decay():

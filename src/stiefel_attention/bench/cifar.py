@@ -25,13 +25,15 @@ import torch.nn.functional as F
 
 from ..manifold import isometry_error
 from ..metrics import attention_metrics
-from ..nn import qk_matrices, routing_parameters
+from ..nn import qk_matrices
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
-from .cifar10 import DataError, balanced_subset, load_cifar10, normalize, train_val_split
+from .cifar10 import balanced_subset, load_cifar10, normalize, train_val_split
 from .cifar_report import claim_rows, write_cifar_report
-from .family import Family, NotReady, UserError
+from .errors import NotReady
+from .family import Family
 from .models import PatchViT
 from .records import Cell
+from .training import init_fingerprint, warmup_cosine
 
 # Learning rates were chosen once per profile by the `lr-sweep` experiment on a validation
 # split carved from train (results/cifar/lr-sweep/summary.md): for `cpu`, AdamW lr 2e-3 (of
@@ -294,30 +296,6 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     return correct / len(x)
 
 
-def _init_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of the initial values of every parameter except W_Q, W_K and their gains (the part arms share)."""
-    qk_ids = {id(p) for _, p in routing_parameters(model)}
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        if id(p) not in qk_ids:
-            h.update(name.encode())
-            h.update(p.detach().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _lr_lambda(cfg: dict, steps_per_epoch: int):
-    total = cfg["epochs"] * steps_per_epoch
-    warm = cfg["warmup_epochs"] * steps_per_epoch
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, total - warm)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 def run(cfg: dict, data: str | None = None, device: str | None = None, progress=None) -> dict:
     """Train one cell; return metrics, per-epoch curves, movement statistics and timings."""
     t_start = time.perf_counter()
@@ -351,7 +329,8 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     opts = build_optimizers(model, cfg["arm"], hp)
     n = len(y_train)
     steps_per_epoch = max(1, n // cfg["batch_size"])  # drop the ragged last batch
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _lr_lambda(cfg, steps_per_epoch)) for o in opts]
+    schedule = warmup_cosine(cfg["epochs"] * steps_per_epoch, cfg["warmup_epochs"] * steps_per_epoch)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts]
 
     def qk() -> list[torch.Tensor]:  # each (H, D, r): H matrices of one head's shape (parametrized: recomputed)
         return [p for _, p in qk_matrices(model)]
@@ -360,7 +339,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     order_hash = hashlib.sha256()
     pairing = {
         "train_subset_sha256": hashlib.sha256(train_idx.numpy().tobytes()).hexdigest()[:16],
-        "init_sha256": _init_fingerprint(model),
+        "init_sha256": init_fingerprint(model),
     }
     curves = {"epoch": [], "train_loss": [], "train_acc": [], "eval_acc": [], "movement_median": []}
     mechanism: dict[str, list] = {}
@@ -443,6 +422,8 @@ class CifarFamily(Family):
     claimed = ("main", "scaling", "ablation", "eps", "movement")
     # the lr sweep first: it is how the profile's rates were chosen, and `movement` reads it
     reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling", "controls", "decay")
+    controls_experiment = "controls"
+    decay_experiment = "decay"
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(
@@ -475,11 +456,8 @@ class CifarFamily(Family):
         return {"n": args.n}
 
     def run_options(self, args) -> dict:
-        try:  # fail fast, with the data module's message; also decodes the cache once for every run here
-            ds = cached_dataset(getattr(args, "data", None))
-        except DataError as err:
-            raise UserError(str(err)) from None
-        return {"data": ds.source}
+        # fail fast, with the data module's message (a DataError); also decodes the cache once for every run here
+        return {"data": cached_dataset(getattr(args, "data", None)).source}
 
     def describe(self, run_options: dict) -> str:
         return f"data {run_options['data']}"

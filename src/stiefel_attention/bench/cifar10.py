@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .errors import DataError
+
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------
@@ -100,13 +102,9 @@ _HOW_TO_PROVIDE = (
     "test/<class>/*.jpg|*.png (optionally inside one top-level folder), classes "
     f"{', '.join(CIFAR10_CLASSES)}.\n"
     "To download the canonical archive (needs network): "
-    'python -c "from stiefel_attention.data import download_cifar10; '
+    'python -c "from stiefel_attention.bench.cifar10 import download_cifar10; '
     "download_cifar10('data')\""
 )
-
-
-class DataError(Exception):
-    """A dataset could not be found, read or validated; the message says how to fix it."""
 
 
 def _data_error(problem: str) -> DataError:

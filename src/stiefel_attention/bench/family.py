@@ -13,20 +13,13 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from .errors import NotReady, UserError
 from .records import Cell
 
 __all__ = ["Family", "FAMILY_MODULES", "NotReady", "UserError", "all_families", "get_family"]
 
 # The registered families, in the order `reproduce` runs them and REPORT.md lists them.
-FAMILY_MODULES = ("cifar", "grok")
-
-
-class UserError(Exception):
-    """A problem with what the user asked for or pointed at (bad data path, bad option): one clear line."""
-
-
-class NotReady(UserError, ValueError):
-    """An experiment cannot be planned yet (e.g. an arm's learning rate awaits its sweep): it has no records."""
+FAMILY_MODULES = ("cifar", "grok", "lm", "mqar")
 
 
 class Family:
@@ -39,6 +32,8 @@ class Family:
     experiments: tuple[str, ...]  # named experiments, each a set of cells
     claimed: tuple[str, ...] = ()  # experiments whose summaries carry paper claims (REPORT.md lists them)
     reproduce_order: tuple[str, ...] = ()  # experiments `reproduce` runs, in this order (default: all)
+    controls_experiment: str | None = None  # its experiment with every arm (REPORT: "When does the geometry dominate?")
+    decay_experiment: str | None = None  # its stiefel-adam vs adamw lead against weight decay, if it has one
 
     # --- planning ---------------------------------------------------------------------------
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -74,8 +74,9 @@ def mechanism_curves(records: list[dict], label=lambda c: c["arm"]) -> dict[str,
             by_arm[label(rec["config"])].append(rec)
     out = {}
     for arm, recs in sorted(by_arm.items()):
-        n = min(len(r["curves"]["epoch"]) for r in recs)
-        curves: dict[str, list] = {"epoch": recs[0]["curves"]["epoch"][:n], "n_seeds": len(recs)}
+        x_name = "epoch" if "epoch" in recs[0]["curves"] else "step"  # the families' evaluation clocks
+        n = min(len(r["curves"][x_name]) for r in recs)
+        curves: dict = {"x_name": x_name, "x": recs[0]["curves"][x_name][:n], "n_seeds": len(recs)}
         for name in PLOTTED_METRICS:
             per_seed = [
                 [_mean([layer[0] for layer in point]) for point in r["curves"]["mechanism"][name][:n]] for r in recs
@@ -115,17 +116,62 @@ def controls_summary(records: list[dict], measure: Measure) -> dict:
     }
 
 
-def decay_summary(records: list[dict], measure: Measure) -> dict:
-    """Per weight decay: both arms and the paired stiefel-adam - adamw lead."""
+def lead_summary(records: list[dict], measure: Measure, key: str = "weight_decay") -> dict:
+    """Per value of config[key] (weight decay, training steps, ...): both arms and the paired
+    stiefel-adam - adamw lead."""
     leads = []
     arms = {}
-    for wd in sorted({r["config"]["weight_decay"] for r in records}):
-        table = _table([r for r in records if r["config"]["weight_decay"] == wd], measure)
-        arms[f"{wd:g}"] = {a: describe(list(v.values())) for a, v in table.items()}
+    for x in sorted({r["config"][key] for r in records}):
+        table = _table([r for r in records if r["config"][key] == x], measure)
+        arms[f"{x:g}"] = {a: describe(list(v.values())) for a, v in table.items()}
         st = compare(table, "stiefel-adam", "adamw")
         if st is not None:
-            leads.append({**st, "weight_decay": wd})
-    return {"measure": measure.describe(), "arms_by_weight_decay": arms, "leads": leads}
+            leads.append({**st, key: x})
+    return {"measure": measure.describe(), "key": key, "arms_by_value": arms, "leads": leads}
+
+
+def decay_summary(records: list[dict], measure: Measure) -> dict:
+    """lead_summary over weight decay."""
+    return lead_summary(records, measure, "weight_decay")
+
+
+def sweep_summary(records: list[dict], measure: Measure, swept=lambda arm: "lr") -> dict:
+    """Mean of the measure per (arm, swept rate); the best per arm is the profile's choice. A choice at the
+    edge of its grid is flagged: the protocol is to extend such a grid."""
+    values: dict[tuple[str, float], list[float]] = defaultdict(list)
+    for rec in records:
+        c = rec["config"]
+        values[(c["arm"], c[swept(c["arm"])])].append(measure.value(rec))
+    grid = [{"arm": a, "lr": lr, "which_lr": swept(a), **describe(v)} for (a, lr), v in sorted(values.items())]
+    best: dict[str, dict] = {}
+    sign = 1 if measure.higher_is_better else -1
+    for row in grid:
+        if row["arm"] not in best or sign * row["mean"] > sign * best[row["arm"]]["mean"]:
+            best[row["arm"]] = row
+    chosen = {a: {"which_lr": r["which_lr"], "lr": r["lr"], "mean": r["mean"]} for a, r in best.items()}
+    for arm, choice in chosen.items():
+        rates = [row["lr"] for row in grid if row["arm"] == arm]
+        if len(rates) > 2 and choice["lr"] in (min(rates), max(rates)):
+            choice["on_grid_edge"] = True
+    return {"measure": measure.describe(), "grid": grid, "chosen": chosen}
+
+
+def sweep_markdown(summary: dict, digits: int = 3) -> list[str]:
+    m = summary["measure"]
+    lines = [
+        f"Sweep measure: {m['name']} ({m['unit']}; {'higher' if m['higher_is_better'] else 'lower'} is better).",
+        "",
+        "| arm | rate | mean | n |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['arm']} | {r['which_lr']}={r['lr']:g} | {r['mean']:.{digits}f} | {r['n']} |" for r in summary["grid"]
+    ]
+    lines += ["", "Chosen: " + ", ".join(f"{a}: {r['which_lr']}={r['lr']:g}" for a, r in summary["chosen"].items()), ""]
+    edge = [a for a, r in summary["chosen"].items() if r.get("on_grid_edge")]
+    if edge:
+        lines += [f"At the edge of its grid (the grid is to be extended): {', '.join(edge)}.", ""]
+    return lines
 
 
 def _arm_order(arm: str) -> tuple[int, str]:
@@ -188,17 +234,17 @@ def controls_markdown(summary: dict, digits: int = 2) -> list[str]:
 
 
 def decay_markdown(summary: dict, digits: int = 2) -> list[str]:
-    m = summary["measure"]
+    m, key = summary["measure"], summary["key"]
     lines = [
         f"Measure: {m['name']} ({m['unit']}). Lead: stiefel-adam − adamw, paired by seed.",
         "",
-        "| weight decay | adamw mean | stiefel-adam mean | lead | 95% CI | p (t) | p (Wilcoxon) | seeds |",
+        f"| {key.replace('_', ' ')} | adamw mean | stiefel-adam mean | lead | 95% CI | p (t) | p (Wilcoxon) | seeds |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for lead in summary["leads"]:
-        arms = summary["arms_by_weight_decay"][f"{lead['weight_decay']:g}"]
+        arms = summary["arms_by_value"][f"{lead[key]:g}"]
         lines.append(
-            f"| {lead['weight_decay']:g} | {arms['adamw']['mean']:.{digits}f} | "
+            f"| {lead[key]:g} | {arms['adamw']['mean']:.{digits}f} | "
             f"{arms['stiefel-adam']['mean']:.{digits}f} | {lead['mean_diff']:+.{digits}f} | "
             f"{fmt_ci(lead['ci95'], digits)} | {fmt_p(lead['p_t'])} | {fmt_p(lead['p_wilcoxon'])} | "
             f"{lead['n_seeds']} |"
@@ -224,12 +270,12 @@ def mechanism_plot(summary: dict, out_dir: Path, made: list[str], log_x: bool = 
     for arm in sorted(mech, key=_arm_order):
         c = mech[arm]
         for ax, key in zip(axes, ("entropy_frac", "stable_rank")):
-            pts = [(e, v) for e, v in zip(c["epoch"], c[key]) if v is not None]
+            pts = [(e, v) for e, v in zip(c["x"], c[key]) if v is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, label=f"{arm} ({c['n_seeds']})")
     axes[0].set_ylabel("attention entropy / log N")
     axes[1].set_ylabel("stable rank of W_Q W_K^T")
     for ax in axes:
-        ax.set_xlabel("epoch")
+        ax.set_xlabel(next(iter(mech.values()))["x_name"])
         if log_x:
             ax.set_xscale("log")
     axes[1].legend(fontsize=7)
@@ -246,12 +292,12 @@ def lead_plot(summary: dict, out_dir: Path, made: list[str]) -> None:
         return
     fig, ax = plt.subplots(figsize=(5, 3.5))
     _draw_leads(ax, summary)
-    save_figure(fig, out_dir, "lead_vs_weight_decay.png", made)
+    save_figure(fig, out_dir, f"lead_vs_{summary['key']}.png", made)
 
 
 def _draw_leads(ax, summary: dict, title: str | None = None) -> None:
     leads = summary["leads"]
-    xs = [lead["weight_decay"] for lead in leads]
+    xs = [lead[summary["key"]] for lead in leads]
     means = [lead["mean_diff"] for lead in leads]
     errs = [
         [m - lead["ci95"][0] for m, lead in zip(means, leads)],
@@ -259,7 +305,7 @@ def _draw_leads(ax, summary: dict, title: str | None = None) -> None:
     ]
     ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3)
     ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xlabel("weight decay")
+    ax.set_xlabel(summary["key"].replace("_", " "))
     m = summary["measure"]
     ax.set_ylabel(f"stiefel-adam − adamw\n({m['name']}, {m['unit']})")
     if title:
@@ -275,18 +321,18 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def geometry_section(results_dir: Path, testbeds: list[tuple[str, str]]) -> list[str]:
-    """REPORT.md lines of "When does the geometry dominate?" from <family>/controls and <family>/decay summaries.
+def geometry_section(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[str]:
+    """REPORT.md lines of "When does the geometry dominate?" from each testbed's controls and decay summaries.
 
-    testbeds: (family folder, testbed title), in report order.
+    testbeds: (family folder, testbed title, its controls experiment, its decay experiment or None), in order.
     """
     rows, panels = [], []
-    for family, title in testbeds:
-        controls = (_load(results_dir / family / "controls" / "summary.json") or {}).get("controls")
-        decay = (_load(results_dir / family / "decay" / "summary.json") or {}).get("decay")
+    for family, title, controls_exp, decay_exp in testbeds:
+        controls = (_load(results_dir / family / str(controls_exp) / "summary.json") or {}).get("controls")
+        decay = (_load(results_dir / family / str(decay_exp) / "summary.json") or {}).get("decay")
         if controls is None and decay is None:
             continue
-        rows.append(_testbed_row(family, title, controls, decay))
+        rows.append(_testbed_row(f"{family}/{controls_exp}", title, controls, decay))
         if decay and decay.get("leads"):
             panels.append((title, decay))
     if not rows:
@@ -294,9 +340,9 @@ def geometry_section(results_dir: Path, testbeds: list[tuple[str, str]]) -> list
     lines = [
         "## When does the geometry dominate?",
         "",
-        "One row per testbed, from its `controls` and `decay` experiments. Sensitivity: trained (adamw) − "
-        "frozen random orthonormal W_Q, W_K; a testbed whose CI includes 0 cannot rank Q/K optimizers. "
-        "A difference counts as significant where its 95% CI excludes 0.",
+        "One row per testbed, from its controls experiment (every arm, paired seeds) and its weight-decay "
+        "experiment. Sensitivity: trained (adamw) − frozen random orthonormal W_Q, W_K; a testbed whose CI "
+        "includes 0 cannot rank Q/K optimizers. A difference counts as significant where its 95% CI excludes 0.",
         "",
         "| testbed | measure | sensitivity (adamw − frozen) | stiefel-adam − each arm | lead vs weight decay | "
         "verdict |",
@@ -309,12 +355,15 @@ def geometry_section(results_dir: Path, testbeds: list[tuple[str, str]]) -> list
     return lines + [""]
 
 
-def _testbed_row(family: str, title: str, controls: dict | None, decay: dict | None) -> tuple[str, ...]:
+DIGITS = {"epochs": 0, "steps": 0, "nats/char": 3}  # decimals per unit; 2 otherwise
+
+
+def _testbed_row(where: str, title: str, controls: dict | None, decay: dict | None) -> tuple[str, ...]:
     summary = controls or decay
     m = summary["measure"]
     unit = m["unit"]
-    digits = 0 if unit == "epochs" else 2
-    link = f"[{title}]({family}/controls/summary.md)" if controls else title
+    digits = DIGITS.get(unit, 2)
+    link = f"[{title}]({where}/summary.md)" if controls else title
     sens = next((c for c in (controls or {}).get("comparisons", []) if c["role"] == "sensitivity"), None)
     vs = [c for c in (controls or {}).get("comparisons", []) if c["role"] == "stiefel-adam vs arm"]
     sens_txt = fmt_diff(sens, unit, digits) if sens else "not run"

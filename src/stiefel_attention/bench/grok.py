@@ -303,6 +303,8 @@ class GrokFamily(Family):
     experiments = EXPERIMENTS
     claimed = ("single", "study", "slingshot")
     reproduce_order = ("single", "slingshot", "study", "controls", "decay")
+    controls_experiment = "controls"
+    decay_experiment = "decay"
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
         return cells(experiment, profile, DEFAULT_SEEDS[experiment] if seeds is None else seeds)

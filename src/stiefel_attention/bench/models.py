@@ -1,6 +1,7 @@
-"""The benchmark suite's two models, built from the library's `Block`: PatchViT (CIFAR-10) and
-ModularTransformer (grokking). Every StiefelAttention option (qk, qk_init, qk_norm, temperature,
-qk_layout) passes through their constructors, so every arm of the suite applies unchanged.
+"""The benchmark suite's models, built from the library's `Block`: PatchViT (CIFAR-10),
+ModularTransformer (grokking) and CharGPT (language modelling, associative recall). Every
+StiefelAttention option (qk, qk_init, qk_norm, temperature, qk_layout) passes through their
+constructors, so every arm of the suite applies unchanged.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 
 from ..nn import Block
 
-__all__ = ["PatchViT", "ModularTransformer"]
+__all__ = ["PatchViT", "ModularTransformer", "CharGPT"]
 
 
 class PatchViT(nn.Module):
@@ -110,3 +111,56 @@ class ModularTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.unembed(self.norm(x[:, -1]))  # (B, p)
+
+
+class CharGPT(nn.Module):
+    """A GPT-style decoder for the language-model and associative-recall testbeds.
+
+    Token embedding plus learned positions, `n_layers` causal pre-norm Blocks (GELU MLP of width
+    mlp_ratio * d_model), a final LayerNorm and an untied output head (untied so that every arm's
+    parameter groups are the same matrices, and the head is an ordinary decayed matrix).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        context: int,
+        d_model: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        head_dim: int = 16,
+        mlp_ratio: int = 4,
+        qk: str = "stiefel",
+        qk_init: str | None = None,
+        **attn_options,
+    ):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Parameter(torch.randn(context, d_model) * 0.02)
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, head_dim, mlp_ratio * d_model, qk=qk, qk_init=qk_init, causal=True, **attn_options)
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens (B, T) -> logits (B, T, vocab); T <= context."""
+        T = tokens.shape[1]
+        if T > self.context:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's context {self.context}")
+        x = self.embed(tokens) + self.pos[:T]  # (B, T, D)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))  # (B, T, vocab)
+
+    @torch.no_grad()
+    def sample(self, prompt: Tensor, n: int, generator: torch.Generator, temperature: float = 1.0) -> Tensor:
+        """n tokens drawn one at a time after prompt (1-D), from the last `context` tokens; returns (n,)."""
+        seq = prompt.clone()
+        for _ in range(n):
+            logits = self(seq[-self.context :][None])[0, -1] / temperature
+            nxt = torch.multinomial(torch.softmax(logits.float(), -1).cpu(), 1, generator=generator)
+            seq = torch.cat([seq, nxt.to(seq.device)])
+        return seq[len(prompt) :]

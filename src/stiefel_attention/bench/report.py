@@ -161,7 +161,8 @@ def write_claims_report(results_dir: str | Path) -> list[Path]:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", finish]
-    geometry = geometry_section(results_dir, [(f.name, f.title) for f in all_families()])
+    testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
+    geometry = geometry_section(results_dir, testbeds)
     lines += ["", *geometry] if geometry else []
     report = results_dir / "REPORT.md"
     report.write_text("\n".join(lines) + "\n")

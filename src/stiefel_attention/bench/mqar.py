@@ -1,0 +1,274 @@
+"""Multi-query associative recall: the standard synthetic probe of attention's routing (Zoology, 2023).
+
+`run(config) -> result` trains a CharGPT on fresh MQAR sequences every step (a seeded generator per
+seed, the same in every arm) and evaluates, every `eval_every` steps, on a fixed seeded test set:
+accuracy at query positions, and the first step at which it reaches 99% (censored at the budget).
+The learning-rate sweep scores on a separate fixed validation set, never the test set.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .arms import arm_spec
+from .errors import NotReady
+from .family import Family
+from .models import CharGPT
+from .mqar_task import IGNORE, mqar_batch
+from .records import Cell
+from .seq_report import write_mqar_report
+from .training import Trainer, log_mechanism
+
+SOLVED = 0.99  # test accuracy at query positions that counts as solving the task
+_OPT = dict(lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1, sgd_frame_lr=1.0)
+PROFILES: dict[str, dict] = {
+    "smoke": dict(
+        model=dict(d_model=32, n_layers=2, n_heads=2, head_dim=16, mlp_ratio=2),
+        vocab=32,
+        n_pairs=4,
+        n_queries=4,
+        seq_len=16,
+        batch=32,
+        steps=60,
+        eval_every=20,
+        n_test=256,
+        warmup=5,
+        tuned={},
+        **_OPT,
+    ),
+    # about a minute of one core per run (README: measured)
+    "cpu": dict(
+        model=dict(d_model=64, n_layers=2, n_heads=4, head_dim=16, mlp_ratio=2),
+        vocab=64,
+        n_pairs=8,
+        n_queries=8,
+        seq_len=32,
+        batch=64,
+        steps=1200,
+        eval_every=50,
+        n_test=1000,
+        warmup=50,
+        tuned={},
+        **_OPT,
+    ),
+    "paper": dict(
+        model=dict(d_model=128, n_layers=2, n_heads=4, head_dim=32, mlp_ratio=2),
+        vocab=8192,
+        n_pairs=16,
+        n_queries=16,
+        seq_len=128,
+        batch=256,
+        steps=10000,
+        eval_every=250,
+        n_test=3000,
+        warmup=200,
+        tuned={},
+        **_OPT,
+    ),
+}
+MAIN_ARMS = (
+    "adamw",
+    "adamw-orthoinit",
+    "frozen",
+    "stiefel-adam",
+    "stiefel-sgd",
+    "adamw-qk-nodecay",
+    "orthogonal-param",
+    "qk-norm",
+    "muon",
+    "stiefel-adam-temp",
+)
+DIFFICULTY_ARMS = ("adamw", "frozen", "stiefel-adam")
+DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (4, 8, 16, 24), "paper": (8, 16, 32, 64)}
+LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
+FRAME_LR_GRID = {
+    "stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-adam-temp": (3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-sgd": (0.1, 0.3, 1.0, 3.0, 10.0),
+    "orthogonal-param": (3e-4, 1e-3, 3e-3, 1e-2),
+    "muon": (3e-4, 1e-3, 3e-3, 1e-2),
+}
+EXPERIMENTS = ("main", "lr-sweep", "difficulty")
+DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6}
+_TEST_SEED, _VAL_SEED = 10_000_019, 10_000_079  # the fixed evaluation sets; no run seed can draw these streams
+
+
+def make_config(profile: str, arm: str, seed: int, split: str = "test", **overrides) -> dict:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    spec = arm_spec(arm)
+    prof = copy.deepcopy(PROFILES[profile])
+    tuned = prof["tuned"].get(arm, {})
+    if not tuned and split == "test" and profile != "smoke":
+        raise NotReady(
+            f"mqar profile {profile!r} has no learning rate chosen for arm {arm!r} yet: run "
+            f"`stiefel-attention mqar --experiment lr-sweep --profile {profile}` and enter the best "
+            "validation rate in mqar.PROFILES[...]['tuned']"
+        )
+    frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
+    cfg = dict(
+        profile=profile,
+        arm=arm,
+        seed=seed,
+        split=split,
+        model=prof["model"],
+        vocab=prof["vocab"],
+        n_pairs=prof["n_pairs"],
+        n_queries=prof["n_queries"],
+        seq_len=prof["seq_len"],
+        batch=prof["batch"],
+        steps=prof["steps"],
+        eval_every=prof["eval_every"],
+        n_test=prof["n_test"],
+        warmup=prof["warmup"],
+        lr=tuned.get("lr", prof["lr"]),
+        frame_lr=tuned.get("frame_lr", frame_lr),
+        weight_decay=prof["weight_decay"],
+        betas=prof["betas"],
+        max_step=prof["max_step"] if spec.trust_region else None,
+    )
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}")
+    cfg.update(overrides)
+    if cfg["n_queries"] > cfg["n_pairs"]:  # a harder level with fewer pairs than the profile's queries
+        cfg["n_queries"] = cfg["n_pairs"]
+    cfg["seq_len"] = max(cfg["seq_len"], 2 * cfg["n_pairs"] + cfg["n_queries"])
+    return cfg
+
+
+def _cell(cfg: dict) -> Cell:
+    name = f"{cfg['arm']}-s{cfg['seed']}-pairs{cfg['n_pairs']}"
+    if cfg["split"] == "val":
+        name += f"-val-lr{cfg['lr']:g}-flr{cfg['frame_lr']:g}"
+    return Cell("mqar", name, cfg)
+
+
+def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    S = range(seeds)
+    if experiment == "main":
+        return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
+    if experiment == "lr-sweep":
+        out = []
+        for arm in sorted(MAIN_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
+            which = arm_spec(arm).swept
+            grid = LR_GRID if which == "lr" else FRAME_LR_GRID[arm]
+            out += [_cell(make_config(profile, arm, s, "val", **{which: x})) for x in grid for s in S]
+        return out
+    if experiment == "difficulty":
+        return [
+            _cell(make_config(profile, a, s, n_pairs=k))
+            for k in DIFFICULTY_PAIRS[profile]
+            for s in S
+            for a in DIFFICULTY_ARMS
+        ]
+    raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(EXPERIMENTS)}")
+
+
+def _task(cfg: dict, batch: int, generator: torch.Generator):
+    return mqar_batch(batch, cfg["vocab"], cfg["n_pairs"], cfg["n_queries"], cfg["seq_len"], generator)
+
+
+@torch.no_grad()
+def accuracy(model, tokens: torch.Tensor, labels: torch.Tensor, batch: int = 500) -> float:
+    """Accuracy at the query positions (labels != IGNORE)."""
+    correct = 0
+    for i in range(0, len(tokens), batch):
+        pred = model(tokens[i : i + batch]).argmax(-1)
+        lab = labels[i : i + batch]
+        correct += int(((pred == lab) & (lab != IGNORE)).sum())
+    return correct / int((labels != IGNORE).sum())
+
+
+def run(cfg: dict, device: str | None = None, progress=None) -> dict:
+    t_start = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg["split"] not in ("test", "val"):
+        raise ValueError(f"split must be 'test' or 'val', got {cfg['split']!r}")
+    eval_seed = _TEST_SEED if cfg["split"] == "test" else _VAL_SEED
+    x_eval, y_eval = (t.to(device) for t in _task(cfg, cfg["n_test"], torch.Generator().manual_seed(eval_seed)))
+    probe = x_eval[:32]
+    trainer = Trainer(
+        cfg,
+        lambda **kw: CharGPT(cfg["vocab"], cfg["seq_len"], **cfg["model"], **kw),
+        device,
+        cfg["steps"],
+        cfg["warmup"],
+    )
+    model = trainer.model
+    order = torch.Generator().manual_seed(1_000_003 * cfg["seed"] + 2)
+    order_hash = hashlib.sha256()
+    curves: dict[str, list] = {"step": [], "train_loss": [], "eval_acc": []}
+    mechanism: dict[str, list] = {}
+    solved_at, running, seen, t_train = None, 0.0, 0, 0.0
+    for step in range(1, cfg["steps"] + 1):
+        t0 = time.perf_counter()
+        xb, yb = _task(cfg, cfg["batch"], order)
+        order_hash.update(xb[:, 0].numpy().tobytes())
+        logits = model(xb.to(device))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.to(device).reshape(-1), ignore_index=IGNORE)
+        trainer.step(loss)
+        t_train += time.perf_counter() - t0
+        running, seen = running + float(loss.detach()), seen + 1
+        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+            model.eval()
+            curves["step"].append(step)
+            curves["train_loss"].append(running / seen)
+            curves["eval_acc"].append(accuracy(model, x_eval, y_eval))
+            log_mechanism(mechanism, model, lambda: model(probe), queries=slice(-cfg["n_queries"], None))
+            model.train()
+            running, seen = 0.0, 0
+            if solved_at is None and curves["eval_acc"][-1] >= SOLVED:
+                solved_at = step
+            if not math.isfinite(curves["train_loss"][-1]):
+                raise FloatingPointError(f"training loss became {curves['train_loss'][-1]} at step {step}")
+        if progress is not None:
+            progress(step, cfg["steps"])
+    return {
+        "pairing": {"init_sha256": trainer.fingerprint, "order_sha256": order_hash.hexdigest()[:16]},
+        "metrics": {
+            "final_eval_acc": curves["eval_acc"][-1],
+            "best_eval_acc": max(curves["eval_acc"]),
+            "step_eval_acc_99": solved_at,
+            "eval_split": cfg["split"],
+        },
+        "curves": {**curves, "mechanism": mechanism},
+        "timings": {
+            "train_s": t_train,
+            "total_s": time.perf_counter() - t_start,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+        },
+    }
+
+
+class MQARFamily(Family):
+    name = "mqar"
+    title = "multi-query associative recall"
+    help = "multi-query associative recall (Zoology's MQAR), generated in memory"
+    profiles = PROFILES
+    experiments = EXPERIMENTS
+    reproduce_order = ("lr-sweep", "difficulty", "main")
+    controls_experiment = "main"
+
+    def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
+        if seeds is None:  # the protocol's seeds; the smoke profile only has to run
+            seeds = 2 if profile == "smoke" else DEFAULT_SEEDS[experiment]
+        return cells(experiment, profile, seeds)
+
+    def run(self, config: dict, progress=None, **options) -> dict:
+        return run(config, progress=progress, **options)
+
+    def write_summary(self, out_dir, experiment, records, profile, n_planned, by_key) -> dict:
+        return write_mqar_report(out_dir, experiment, records, profile, n_planned)
+
+
+FAMILY = MQARFamily()

@@ -1,0 +1,234 @@
+"""Reports of the two sequence testbeds, language modelling (`lm`) and associative recall (`mqar`):
+records -> summary (every arm against stiefel-adam, sweeps, scaling, difficulty), markdown, plots."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from .arms import arm_spec
+from .geometry import (
+    Measure,
+    controls_markdown,
+    controls_summary,
+    decay_markdown,
+    lead_plot,
+    lead_summary,
+    mechanism_plot,
+    sweep_markdown,
+    sweep_summary,
+)
+from .report import write_experiment
+from .stats import describe
+
+__all__ = ["VAL_LOSS", "STEPS_TO_SOLVE", "write_lm_report", "write_mqar_report"]
+
+VAL_LOSS = Measure("validation loss", "nats/char", lambda r: r["metrics"]["final_val_loss"], higher_is_better=False)
+
+
+def _steps_to_solve(rec: dict) -> float:
+    """Steps to 99% test accuracy; a run that never gets there counts as its budget + 1 (a lower bound)."""
+    first = rec["metrics"]["step_eval_acc_99"]
+    return float(first if first is not None else rec["config"]["steps"] + 1)
+
+
+STEPS_TO_SOLVE = Measure("steps to 99% test accuracy (never: budget + 1)", "steps", _steps_to_solve, False)
+# The sweep: steps to 99% on the validation set, minus the final accuracy, which only breaks ties between rates
+# that never reach 99% (the steps differ by at least eval_every otherwise).
+_SWEEP_SCORE = Measure(
+    "steps to 99% validation accuracy minus final accuracy",
+    "steps",
+    lambda r: _steps_to_solve(r) - r["metrics"]["final_eval_acc"],
+    False,
+)
+
+
+def _swept(arm: str) -> str:
+    return arm_spec(arm).swept
+
+
+def _curve_plot(records: list[dict], key: str, ylabel: str, out_dir: Path, made: list[str], name: str) -> None:
+    """One curve per arm over training steps, mean over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .fmt import save_figure
+
+    by_arm: dict[str, list[dict]] = defaultdict(list)
+    for rec in records:
+        by_arm[rec["config"]["arm"]].append(rec)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm, recs in sorted(by_arm.items()):
+        n = min(len(r["curves"][key]) for r in recs)
+        steps = recs[0]["curves"]["step"][:n]
+        mean = [sum(r["curves"][key][i] for r in recs) / len(recs) for i in range(n)]
+        ax.plot(steps, mean, lw=1.2, label=f"{arm} ({len(recs)})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    save_figure(fig, out_dir, name, made, dpi=110)
+
+
+def _header(title: str, summary: dict, profile: str, what: str) -> list[str]:
+    planned = f" of {summary['n_planned']} planned" if summary.get("n_planned") else ""
+    return [
+        f"# {title} — `{summary['experiment']}`, profile `{profile}`",
+        "",
+        f"{summary['n_records']} finished runs{planned}. {what}",
+        "",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Language modelling
+# ---------------------------------------------------------------------------------------------
+
+
+def lm_summary(experiment: str, records: list[dict]) -> dict:
+    summary: dict = {"experiment": experiment, "n_records": len(records)}
+    if experiment == "main":
+        summary["controls"] = controls_summary(records, VAL_LOSS)
+        summary["samples"] = {r["config"]["arm"]: r.get("sample", "") for r in records if r["config"]["seed"] == 0}
+    elif experiment == "lr-sweep":
+        summary["sweep"] = sweep_summary(records, VAL_LOSS, _swept)
+    elif experiment == "scaling":
+        summary["scaling"] = lead_summary(records, VAL_LOSS, "steps")
+    else:
+        raise ValueError(f"unknown experiment {experiment!r}")
+    return summary
+
+
+def lm_markdown(summary: dict, profile: str) -> str:
+    lines = _header(
+        "Character-level LM (tiny Shakespeare)",
+        summary,
+        profile,
+        "Validation loss in nats per character on a fixed, seeded set of validation windows (the "
+        "sweep: on held-out training text).",
+    )
+    if "controls" in summary:
+        lines += controls_markdown(summary["controls"], digits=3)
+    if "sweep" in summary:
+        lines += sweep_markdown(summary["sweep"])
+    if "scaling" in summary:
+        lines += decay_markdown(summary["scaling"], digits=3)
+    for arm, text in sorted(summary.get("samples", {}).items()):
+        lines += [f"Sample, {arm}, seed 0 (300 characters at a fixed sampling seed):", "", "```", text, "```", ""]
+    lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
+    return "\n".join(lines) + "\n"
+
+
+def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str, n_planned: int | None) -> dict:
+    def plots(summary: dict, exp_dir: Path) -> list[str]:
+        made: list[str] = []
+        if "controls" in summary:
+            _curve_plot(records, "val_loss", "validation loss (nats/char)", exp_dir, made, "val_loss.png")
+            mechanism_plot(summary["controls"], exp_dir, made)
+        if "scaling" in summary:
+            lead_plot(summary["scaling"], exp_dir, made)
+        return made
+
+    return write_experiment(
+        out_dir, experiment, lm_summary(experiment, records), plots, lm_markdown, profile, n_planned
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Associative recall
+# ---------------------------------------------------------------------------------------------
+
+
+def _difficulty(records: list[dict]) -> list[dict]:
+    """Per (number of pairs, arm): how many seeds solved the task, their median steps, the final accuracy."""
+    table: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    for rec in records:
+        table[(rec["config"]["n_pairs"], rec["config"]["arm"])].append(rec)
+    rows = []
+    for (pairs, arm), recs in sorted(table.items()):
+        steps = sorted(_steps_to_solve(r) for r in recs)
+        rows.append(
+            {
+                "n_pairs": pairs,
+                "arm": arm,
+                "n": len(recs),
+                "solved": sum(r["metrics"]["step_eval_acc_99"] is not None for r in recs),
+                "median_steps": steps[len(steps) // 2],
+                "final_acc": describe([100 * r["metrics"]["final_eval_acc"] for r in recs]),
+            }
+        )
+    return rows
+
+
+def mqar_summary(experiment: str, records: list[dict]) -> dict:
+    summary: dict = {"experiment": experiment, "n_records": len(records)}
+    if experiment == "main":
+        summary["controls"] = controls_summary(records, STEPS_TO_SOLVE)
+        summary["final_acc"] = {
+            a: describe([100 * r["metrics"]["final_eval_acc"] for r in records if r["config"]["arm"] == a])
+            for a in sorted({r["config"]["arm"] for r in records})
+        }
+    elif experiment == "lr-sweep":
+        summary["sweep"] = sweep_summary(records, _SWEEP_SCORE, _swept)
+    elif experiment == "difficulty":
+        summary["difficulty"] = _difficulty(records)
+        pairs = sorted({r["config"]["n_pairs"] for r in records})
+        summary["sensitivity_by_pairs"] = {
+            str(k): controls_summary([r for r in records if r["config"]["n_pairs"] == k], STEPS_TO_SOLVE)["comparisons"]
+            for k in pairs
+        }
+    else:
+        raise ValueError(f"unknown experiment {experiment!r}")
+    return summary
+
+
+def mqar_markdown(summary: dict, profile: str) -> str:
+    lines = _header(
+        "Multi-query associative recall",
+        summary,
+        profile,
+        "Accuracy at query positions on a fixed, seeded test set (the sweep: a separate validation "
+        "set); steps to 99% are censored at the budget + 1.",
+    )
+    if "controls" in summary:
+        lines += controls_markdown(summary["controls"], digits=0)
+        lines += ["| arm | final test accuracy (%) mean | std |", "|---|---|---|"]
+        lines += [f"| {a} | {d['mean']:.2f} | {d['std']:.2f} |" for a, d in summary["final_acc"].items()] + [""]
+    if "sweep" in summary:
+        lines += sweep_markdown(summary["sweep"], digits=1)
+    if "difficulty" in summary:
+        lines += [
+            "| pairs | arm | seeds | solved (>= 99%) | median steps to 99% | final accuracy (%) |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['n_pairs']} | {r['arm']} | {r['n']} | {r['solved']}/{r['n']} | {r['median_steps']:.0f} | "
+            f"{r['final_acc']['mean']:.1f} |"
+            for r in summary["difficulty"]
+        ]
+        lines += ["", "Sensitivity per level (adamw − frozen, steps to 99%; negative: trained Q/K solve sooner):", ""]
+        for pairs, comps in summary["sensitivity_by_pairs"].items():
+            sens = [c for c in comps if c["role"] == "sensitivity"]
+            if sens:
+                c = sens[0]
+                lines.append(
+                    f"- {pairs} pairs: {c['mean_diff']:+.0f} steps, 95% CI [{c['ci95'][0]:+.0f}, "
+                    f"{c['ci95'][1]:+.0f}], {c['n_seeds']} seeds"
+                )
+        lines.append("")
+    lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
+    return "\n".join(lines) + "\n"
+
+
+def write_mqar_report(out_dir, experiment: str, records: list[dict], profile: str, n_planned: int | None) -> dict:
+    def plots(summary: dict, exp_dir: Path) -> list[str]:
+        made: list[str] = []
+        if "controls" in summary:
+            _curve_plot(records, "eval_acc", "test accuracy at query positions", exp_dir, made, "accuracy.png")
+            mechanism_plot(summary["controls"], exp_dir, made)
+        return made
+
+    return write_experiment(
+        out_dir, experiment, mqar_summary(experiment, records), plots, mqar_markdown, profile, n_planned
+    )

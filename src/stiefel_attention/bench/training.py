@@ -1,0 +1,83 @@
+"""What the training loops of the families share: building an arm's model and optimizers, the
+warm-up + cosine schedule, pairing fingerprints, and the mechanism metrics of one evaluation."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..metrics import attention_metrics
+from ..nn import routing_parameters
+from .arms import HyperParameters, attention_options, build_optimizers
+
+__all__ = ["Trainer", "warmup_cosine", "init_fingerprint", "hyperparameters", "log_mechanism"]
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
+    """LambdaLR factor: linear warm-up over warmup_steps, then a cosine decay to 0 at total_steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def hyperparameters(cfg: dict) -> HyperParameters:
+    """The optimisation part of a resolved config."""
+    return HyperParameters(
+        lr=cfg["lr"],
+        weight_decay=cfg["weight_decay"],
+        frame_lr=cfg["frame_lr"],
+        betas=tuple(cfg["betas"]),
+        eps=cfg.get("eps", 1e-8),
+        frame_eps=cfg.get("frame_eps"),
+        max_step=cfg["max_step"],
+        sgd_momentum=cfg.get("sgd_momentum", 0.9),
+    )
+
+
+def init_fingerprint(model: nn.Module) -> str:
+    """Hash of the initial values of every parameter except the query-key path (the part arms share)."""
+    routing = {id(p) for _, p in routing_parameters(model)}
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if id(p) not in routing:
+            h.update(name.encode())
+            h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Trainer:
+    """An arm's model, optimizers and schedules, built from a resolved config; `step(loss)` trains."""
+
+    def __init__(self, cfg: dict, make_model: Callable[..., nn.Module], device, total_steps: int, warmup_steps: int):
+        torch.manual_seed(cfg["seed"])  # the model init: identical in every arm (pairing)
+        self.model = make_model(**attention_options(cfg["arm"])).to(device)
+        self.fingerprint = init_fingerprint(self.model)
+        self.opts = build_optimizers(self.model, cfg["arm"], hyperparameters(cfg))
+        schedule = warmup_cosine(total_steps, warmup_steps)
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.opts]
+
+    def step(self, loss: torch.Tensor) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o, s in zip(self.opts, self.scheds):
+            o.step()
+            s.step()
+
+
+def log_mechanism(log: dict[str, list], model: nn.Module, forward: Callable[[], object], queries=None) -> None:
+    """Append one evaluation point of the attention metrics to log (metric -> list over evaluations)."""
+    was_training = model.training
+    model.eval()
+    for name, per_layer in attention_metrics(model, forward, queries=queries).items():
+        log.setdefault(name, []).append(per_layer)
+    model.train(was_training)

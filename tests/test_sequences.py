@@ -1,0 +1,146 @@
+"""The sequence testbeds: text loading and splits, MQAR generation, pairing and the run records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stiefel_attention.bench import cli, lm, mqar
+from stiefel_attention.bench.errors import DataError
+from stiefel_attention.bench.mqar_task import IGNORE, mqar_batch
+from stiefel_attention.bench.text import ENV_TEXT, fixed_windows, load_text, random_windows
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def test_text_split_vocabulary_and_round_trip(corpus_file):
+    c = load_text(corpus_file)
+    assert c.chars == "".join(sorted(set(TEXT))) and c.vocab_size == len(set(TEXT))
+    assert len(c.train) == int(0.9 * len(TEXT)) and len(c.train) + len(c.val) == len(TEXT)
+    assert c.decode(c.train) + c.decode(c.val) == TEXT  # the first 90% train, the last 10% validate
+    x, y = random_windows(c.train, 5, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (5, 16) and torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
+    a, b = fixed_windows(c.val, 4, 8, seed=0), fixed_windows(c.val, 4, 8, seed=0)
+    assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize(
+    "content,match", [(None, "is not a file"), (b"", "too few"), (b"\xff\xfe\x00bad" * 50, "not UTF-8")]
+)
+def test_bad_text_paths_are_one_clear_error(tmp_path, content, match):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match=match) as info:
+        load_text(path)
+    assert "expected a UTF-8 text file" in str(info.value)
+
+
+def test_cli_bad_text_path_is_one_line(tmp_path, capsys):
+    args = ["lm", "--experiment", "main", "--profile", "smoke", "--data", str(tmp_path / "none.txt")]
+    rc = cli.main([*args, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not a file" in err and "Traceback" not in err
+
+
+def test_text_from_the_environment(monkeypatch, corpus_file):
+    monkeypatch.setenv(ENV_TEXT, str(corpus_file))
+    assert load_text().source == str(corpus_file.resolve())
+
+
+@pytest.mark.parametrize("n_pairs,n_queries,seq_len", [(4, 4, 12), (8, 3, 30), (1, 1, 3)])
+def test_every_query_target_is_its_pairs_value(n_pairs, n_queries, seq_len):
+    tokens, labels = mqar_batch(64, 32, n_pairs, n_queries, seq_len, torch.Generator().manual_seed(1))
+    assert tokens.shape == labels.shape == (64, seq_len)
+    n_keys = 32 // 2 - 1
+    for t, lab in zip(tokens, labels):
+        pairs = t[: 2 * n_pairs].view(n_pairs, 2)
+        keys, values = pairs[:, 0].tolist(), pairs[:, 1].tolist()
+        assert len(set(keys)) == n_pairs and all(k < n_keys for k in keys)
+        assert all(n_keys <= v < 2 * n_keys for v in values)
+        lookup = dict(zip(keys, values))
+        asked = (lab != IGNORE).nonzero().flatten().tolist()
+        assert asked == list(range(seq_len - n_queries, seq_len))
+        for pos in asked:
+            assert int(lab[pos]) == lookup[int(t[pos])]
+        assert all(2 * n_keys <= int(f) < 2 * n_keys + 2 for f in t[2 * n_pairs : seq_len - n_queries])
+
+
+def test_mqar_rejects_impossible_tasks():
+    g = torch.Generator()
+    with pytest.raises(ValueError, match="distinct keys"):
+        mqar_batch(2, 16, 8, 4, 24, g)
+    with pytest.raises(ValueError, match="seq_len"):
+        mqar_batch(2, 32, 4, 4, 10, g)
+    with pytest.raises(ValueError, match="n_queries"):
+        mqar_batch(2, 32, 4, 5, 20, g)
+
+
+def test_mqar_test_set_is_fixed_and_apart_from_the_validation_set():
+    cfg = mqar.make_config("smoke", "adamw", 0)
+    a = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar._TEST_SEED))
+    b = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar._TEST_SEED))
+    c = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar._VAL_SEED))
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+
+
+@pytest.mark.parametrize("family", [lm, mqar])
+def test_arms_of_a_seed_share_init_and_order_and_differ_across_seeds(family, corpus_file):
+    opts = {"data": str(corpus_file)} if family is lm else {}
+    records = {}
+    for arm, seed in (("adamw", 0), ("stiefel-adam", 0), ("orthogonal-param", 0), ("adamw", 1)):
+        cfg = family.make_config("smoke", arm, seed, steps=4, eval_every=2)
+        records[(arm, seed)] = family.run(cfg, **opts)
+    base = records[("adamw", 0)]["pairing"]
+    for arm in ("stiefel-adam", "orthogonal-param"):
+        assert records[(arm, 0)]["pairing"] == base, arm
+    other = records[("adamw", 1)]["pairing"]
+    assert other["init_sha256"] != base["init_sha256"] and other["order_sha256"] != base["order_sha256"]
+    rec = records[("stiefel-adam", 0)]
+    assert rec["curves"]["step"] == [2, 4] and len(rec["curves"]["mechanism"]["entropy"]) == 2
+    assert json.dumps(rec, allow_nan=False)
+
+
+def test_lm_record_has_a_readable_sample_and_its_metric(corpus_file):
+    cfg = lm.make_config("smoke", "stiefel-adam", 0, steps=6, eval_every=3)
+    rec = lm.run(cfg, data=str(corpus_file))
+    assert len(rec["sample"]) == 1 + lm.SAMPLE_CHARS and set(rec["sample"]) <= set(TEXT)
+    assert rec["metrics"]["final_val_loss"] == rec["curves"]["val_loss"][-1] > 0
+
+
+def test_mqar_steps_to_99_is_the_first_evaluation_at_99(monkeypatch):
+    accs = iter([0.5, 0.995, 0.98, 1.0])
+    monkeypatch.setattr(mqar, "accuracy", lambda *a, **k: next(accs))
+    rec = mqar.run(mqar.make_config("smoke", "adamw", 0, steps=8, eval_every=2))
+    assert rec["curves"]["step"] == [2, 4, 6, 8] and rec["metrics"]["step_eval_acc_99"] == 4
+    assert rec["metrics"]["final_eval_acc"] == 1.0
+
+
+def test_untuned_arms_are_not_planned_on_the_cpu_profile():
+    with pytest.raises(ValueError, match="no learning rate chosen"):
+        lm.cells("main", "cpu", 2)
+    assert lm.FAMILY.experiment_records("main", "cpu", {}) == []
+    sweep = mqar.cells("lr-sweep", "cpu", 2)
+    assert {c.config["split"] for c in sweep} == {"val"}
+    assert [c.config["arm"] for c in sweep][:2] == ["adamw", "adamw"]  # rate-sweeping arms first
+
+
+@pytest.mark.parametrize("family", ["lm", "mqar"])
+def test_cli_smoke_main_writes_records_and_a_summary(family, corpus_file, tmp_path):
+    args = [family, "--experiment", "main", "--profile", "smoke", "--out", str(tmp_path), "--jobs", "1"]
+    args += ["--no-progress", *(["--data", str(corpus_file)] if family == "lm" else [])]
+    assert cli.main(args) == 0
+    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
+    assert summary["n_records"] == 20 and len(summary["controls"]["arms"]) == 10
+    roles = {c["role"] for c in summary["controls"]["comparisons"]}
+    assert roles == {"sensitivity", "stiefel-adam vs arm", "control vs adamw"}
+    assert (tmp_path / "main" / "mechanism.png").exists()
