@@ -12,8 +12,8 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "stiefel_attention"
-CORE = ("manifold", "optim", "nn", "metrics", "certify")
-BENCH_ONLY = ("numpy", "scipy", "matplotlib", "PIL", "tqdm", "stiefel_attention.bench")
+CORE = ("manifold", "optim", "nn", "metrics", "certify", "convert")
+BENCH_ONLY = ("numpy", "scipy", "matplotlib", "PIL", "tqdm", "transformers", "stiefel_attention.bench")
 
 
 def _module_name(path: Path) -> str:

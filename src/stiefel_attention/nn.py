@@ -21,6 +21,7 @@ from torch.nn.utils import parametrizations, parametrize
 from .manifold import random_frame
 
 __all__ = [
+    "FrameParametrization",
     "QK_MODES",
     "QK_INITS",
     "QK_LAYOUTS",
@@ -274,6 +275,29 @@ class Block(nn.Module):
         return x_last + self.mlp(self.ln2(x_last))
 
 
+class FrameParametrization(nn.Module):
+    """Base of parametrizations whose originals include Stiefel frames (`stiefel_attention.convert`).
+
+    `frame_originals` are the indices i of the originals (`parametrizations.<name>.original<i>`,
+    or `.original` for a single one) that are frames of shape (..., d, r); `frames(model)` finds them.
+    """
+
+    frame_originals: tuple[int, ...] = ()
+
+
+def _parametrized_frames(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    out = []
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for tensor_name, plist in module.parametrizations.items():
+            indices = [i for p in plist if isinstance(p, FrameParametrization) for i in p.frame_originals]
+            for i in indices:
+                attr = "original" if hasattr(plist, "original") else f"original{i}"
+                out.append((_qualified(name, f"parametrizations.{tensor_name}.{attr}"), getattr(plist, attr)))
+    return out
+
+
 def _attention_modules(model: nn.Module):
     for name, module in model.named_modules():
         if isinstance(module, StiefelAttention):
@@ -283,15 +307,16 @@ def _attention_modules(model: nn.Module):
 def frames(model: nn.Module, include_frozen: bool = False) -> list[tuple[str, nn.Parameter]]:
     """(qualified name, parameter) of every Stiefel frame tensor in the model.
 
-    These are the parameters that a Stiefel optimizer must step; with include_frozen, the
-    frozen frames too (for isometry logging).
+    These are the parameters that a Stiefel optimizer must step: W_Q, W_K of every StiefelAttention
+    with qk="stiefel" (with include_frozen, qk="frozen" too, for isometry logging), and the frame
+    originals of converted models (`stiefelize`).
     """
     modes = ("stiefel", "frozen") if include_frozen else ("stiefel",)
     out = []
     for name, module in _attention_modules(model):
         if module.qk in modes:
             out += [(f"{name}.{pname}" if name else pname, p) for pname, p in module.frame_parameters()]
-    return out
+    return out + _parametrized_frames(model)
 
 
 def qk_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -1,0 +1,310 @@
+"""`stiefelize(model)`: W_Q and W_K of the attention in models people already train, as frames.
+
+Each supported attention module keeps its code, masks, rotary embeddings, caches and kernels. Only
+the tensors that hold W_Q and W_K change: each becomes a torch parametrization
+(`torch.nn.utils.parametrize`) whose originals are one frame per query head, (H, d_model, head_dim),
+one per key-value head, (H_kv, d_model, head_dim), and, for fused projections (q, k and v in one
+matrix), the rest of the matrix unchanged as an ordinary tensor. `frames(model)` then finds the
+frame originals, so `StiefelAdam(param_groups(model, ...))` trains them; biases stay Euclidean.
+
+Supported out of the box, one small adapter each: Hugging Face transformers attention with separate
+`q_proj`/`k_proj` (Llama, Qwen2, Mistral and their kin, grouped-query attention included; ViT in
+transformers 5), BERT-style `query`/`key`, GPT-2's fused Conv1D `c_attn`; torch's
+`nn.MultiheadAttention` (packed `in_proj_weight`; also inside `nn.TransformerEncoderLayer`);
+nanoGPT-style `CausalSelfAttention` (fused `c_attn`); timm's `Attention` (fused `qkv`). Register
+another type with `register_adapter`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from .manifold import polar_retract, random_frame
+from .nn import FrameParametrization
+
+__all__ = ["Projection", "Adapter", "register_adapter", "adapters", "stiefelize", "unstiefelize", "StiefelizeError"]
+
+log = logging.getLogger("stiefel_attention")
+INITS = ("orthonormal", "nearest")
+
+
+class StiefelizeError(ValueError):
+    """The model has no attention module stiefelize can convert, or one it cannot convert as configured."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Where W_Q and/or W_K of one attention module live in one weight tensor.
+
+    owner.<name> is the weight; `rows`: an nn.Linear weight (out, in), used as x W^T; otherwise a
+    Conv1D weight (in, out), used as x W. `pieces` lists the blocks along the output dimension in
+    order: ("q", n_heads) and ("k", n_kv_heads) are frames of head_dim columns each, ("rest", size)
+    is left as it is (the V part of a fused projection).
+    """
+
+    owner: nn.Module
+    name: str
+    rows: bool
+    pieces: tuple[tuple[str, int], ...]
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One attention type: `matches(module)` and `projections(module)`."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    projections: Callable[[nn.Module], list[Projection]]
+
+
+_ADAPTERS: list[Adapter] = []
+
+
+def register_adapter(adapter: Adapter) -> None:
+    """Make stiefelize convert another attention type (tried before the built-in ones)."""
+    _ADAPTERS.insert(0, adapter)
+
+
+def adapters() -> list[Adapter]:
+    return list(_ADAPTERS)
+
+
+class StiefelProjection(FrameParametrization):
+    """Assembles a projection weight from per-head frames (and, for fused weights, the untouched rest)."""
+
+    def __init__(self, p: Projection, d_model: int, init: str):
+        super().__init__()
+        self.rows, self.pieces, self.head_dim, self.d_model, self.init = p.rows, p.pieces, p.head_dim, d_model, init
+        self.frame_originals = tuple(i for i, (kind, _) in enumerate(p.pieces) if kind != "rest")
+
+    def _width(self, kind: str, n: int) -> int:
+        return n if kind == "rest" else n * self.head_dim
+
+    def forward(self, *originals: Tensor) -> Tensor:
+        blocks = []
+        for (kind, n), t in zip(self.pieces, originals):
+            if kind == "rest":
+                blocks.append(t)
+            elif self.rows:  # (n, D, r) -> (n*r, D): row h*r + j is column j of head h's frame
+                blocks.append(t.transpose(1, 2).reshape(n * self.head_dim, self.d_model))
+            else:  # (n, D, r) -> (D, n*r)
+                blocks.append(t.permute(1, 0, 2).reshape(self.d_model, n * self.head_dim))
+        return torch.cat(blocks, dim=0 if self.rows else 1)
+
+    def qk_change(self, before: Tensor, after: Tensor) -> float:
+        """||W_QK' - W_QK||_F / ||W_QK||_F over the query and key blocks (the rest does not change)."""
+        widths = [self._width(kind, n) for kind, n in self.pieces]
+        dim = 0 if self.rows else 1
+        pairs = [
+            (b, a)
+            for (kind, _), b, a in zip(self.pieces, before.split(widths, dim), after.split(widths, dim))
+            if kind != "rest"
+        ]
+        diff = sum(float((a.double() - b.double()).square().sum()) for b, a in pairs)
+        norm = sum(float(b.double().square().sum()) for b, _ in pairs)
+        return (diff / norm) ** 0.5 if norm > 0 else float("inf")
+
+    def right_inverse(self, weight: Tensor) -> tuple[Tensor, ...]:
+        widths = [self._width(kind, n) for kind, n in self.pieces]
+        out = []
+        for (kind, n), block in zip(self.pieces, weight.split(widths, dim=0 if self.rows else 1)):
+            if kind == "rest":
+                out.append(block.detach().clone())
+                continue
+            heads = (
+                block.reshape(n, self.head_dim, self.d_model).transpose(1, 2)
+                if self.rows
+                else block.reshape(self.d_model, n, self.head_dim).permute(1, 0, 2)
+            )  # (n, D, r)
+            heads = heads.detach().to(torch.float32 if heads.dtype in (torch.float16, torch.bfloat16) else heads.dtype)
+            if self.init == "nearest":
+                out.append(polar_retract(heads, torch.zeros_like(heads)).contiguous())
+            else:
+                out.append(random_frame(n, d=self.d_model, r=self.head_dim, dtype=heads.dtype, device=heads.device))
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in adapters
+# ---------------------------------------------------------------------------------------------
+
+
+def _heads(module: nn.Module) -> tuple[int, int, int]:
+    """(query heads, key-value heads, head_dim) from the usual attribute and config names."""
+    config = getattr(module, "config", None)
+    H = (
+        getattr(module, "num_heads", None)
+        or getattr(module, "num_attention_heads", None)
+        or getattr(module, "n_head", None)
+        or getattr(config, "num_attention_heads", None)
+    )
+    Hkv = getattr(config, "num_key_value_heads", None) or getattr(module, "num_key_value_heads", None) or H
+    r = getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)
+    if H is None:
+        raise StiefelizeError(f"{type(module).__name__}: cannot tell its number of heads")
+    return int(H), int(Hkv), int(r) if r else 0
+
+
+def _separate(q_name: str, k_name: str) -> Adapter:
+    def matches(m: nn.Module) -> bool:
+        q, k = getattr(m, q_name, None), getattr(m, k_name, None)
+        return isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and hasattr(m, "config")
+
+    def projections(m: nn.Module) -> list[Projection]:
+        H, Hkv, r = _heads(m)
+        q, k = getattr(m, q_name), getattr(m, k_name)
+        r = r or q.out_features // H
+        return [Projection(q, "weight", True, (("q", H),), r), Projection(k, "weight", True, (("k", Hkv),), r)]
+
+    return Adapter(f"transformers ({q_name}, {k_name})", matches, projections)
+
+
+def _fused(attr: str, rows: bool, label: str, needs: Callable[[nn.Module], bool] = lambda m: True) -> Adapter:
+    def matches(m: nn.Module) -> bool:
+        return hasattr(m, attr) and isinstance(getattr(m, attr), nn.Module) and needs(m)
+
+    def projections(m: nn.Module) -> list[Projection]:
+        H, _, r = _heads(m)
+        fused = getattr(m, attr)
+        D = fused.weight.shape[1 if rows else 0]
+        r = r or D // H
+        rest = fused.weight.shape[0 if rows else 1] - 2 * H * r
+        return [Projection(fused, "weight", rows, (("q", H), ("k", H), ("rest", rest)), r)]
+
+    return Adapter(label, matches, projections)
+
+
+def _mha_projections(m: nn.MultiheadAttention) -> list[Projection]:
+    if not m._qkv_same_embed_dim:
+        raise StiefelizeError(
+            "nn.MultiheadAttention with kdim/vdim != embed_dim keeps separate q/k/v weights; "
+            "stiefelize supports the packed in_proj_weight (kdim = vdim = embed_dim)"
+        )
+    H, D = m.num_heads, m.embed_dim
+    return [Projection(m, "in_proj_weight", True, (("q", H), ("k", H), ("rest", D)), D // H)]
+
+
+for _adapter in (
+    Adapter(
+        "torch.nn.MultiheadAttention (packed in_proj_weight)",
+        lambda m: isinstance(m, nn.MultiheadAttention),
+        _mha_projections,
+    ),
+    _fused(
+        "c_attn",
+        rows=False,
+        label="GPT-2 attention (fused Conv1D c_attn)",
+        needs=lambda m: type(getattr(m, "c_attn")).__name__ == "Conv1D",
+    ),
+    _fused(
+        "c_attn",
+        rows=True,
+        label="nanoGPT CausalSelfAttention (fused nn.Linear c_attn)",
+        needs=lambda m: isinstance(getattr(m, "c_attn"), nn.Linear) and hasattr(m, "n_head"),
+    ),
+    _fused(
+        "qkv",
+        rows=True,
+        label="timm Attention (fused nn.Linear qkv)",
+        needs=lambda m: isinstance(getattr(m, "qkv"), nn.Linear) and hasattr(m, "num_heads"),
+    ),
+    _separate("q_proj", "k_proj"),
+    _separate("query", "key"),
+):
+    _ADAPTERS.append(_adapter)
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def _find(model: nn.Module) -> list[tuple[str, nn.Module, Adapter]]:
+    found, claimed = [], set()
+    for name, module in model.named_modules():
+        if any(name.startswith(c + ".") for c in claimed):
+            continue  # inside an attention module already converted (e.g. a q_proj of a matched parent)
+        for adapter in _ADAPTERS:
+            if adapter.matches(module):
+                found.append((name, module, adapter))
+                claimed.add(name)
+                break
+    return found
+
+
+def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
+    """Re-parameterise W_Q and W_K of every supported attention module as frames, in place; returns model.
+
+    init="orthonormal" draws fresh Haar-random frames (training from scratch; uses the global RNG).
+    init="nearest" takes the polar factor of each head's current W_Q, W_K (fine-tuning): the closest
+    frame in Frobenius norm. Unless those weights were already orthonormal per head this changes the
+    function; how much is logged and recorded in `model.stiefelize_report` (per converted weight, the
+    relative change ||W' - W||_F / ||W||_F of its query and key blocks). Weights initialised at small
+    scale (std 0.02, as Hugging Face models are) change a lot: a frame's columns have unit norm, so the
+    attention logits grow accordingly. Frames are kept in float32 (or the
+    model's float64); a half-precision model keeps float32 frames as master weights.
+    """
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    found = _find(model)
+    if not found:
+        supported = "; ".join(a.name for a in _ADAPTERS)
+        raise StiefelizeError(
+            f"stiefelize found no supported attention module in {type(model).__name__}. Supported: {supported}. "
+            "Register another type with stiefel_attention.convert.register_adapter(Adapter(name, matches, "
+            "projections)), where projections(module) says which weight holds W_Q and W_K (a Projection)."
+        )
+    report = {}
+    for name, module, adapter in found:
+        for p in adapter.projections(module):
+            if parametrize.is_parametrized(p.owner, p.name):
+                raise StiefelizeError(f"{name}: {p.name} is already parametrized (stiefelize twice?)")
+            weight = getattr(p.owner, p.name)
+            before = weight.detach().clone()
+            d_model = weight.shape[1] if p.rows else weight.shape[0]
+            param = StiefelProjection(p, d_model, init)
+            parametrize.register_parametrization(p.owner, p.name, param, unsafe=True)
+            after = getattr(p.owner, p.name).detach()
+            owner = next(n for n, m in module.named_modules() if m is p.owner)
+            report[".".join(x for x in (name, owner, p.name) if x)] = {
+                "adapter": adapter.name,
+                "relative_change": param.qk_change(before, after),
+            }
+    model.stiefelize_report = report
+    if init == "nearest":
+        worst = max(report.items(), key=lambda kv: kv[1]["relative_change"])
+        log.warning(
+            "stiefelize(init='nearest') changed W_Q, W_K of %d weights by up to %.3g (relative, %s): the "
+            "function changes unless the heads were orthonormal",
+            len(report),
+            worst[1]["relative_change"],
+            worst[0],
+        )
+    return model
+
+
+def unstiefelize(model: nn.Module) -> nn.Module:
+    """Bake every stiefelize parametrization back into a plain weight (the current frames), in place.
+
+    The model then saves and loads like the original architecture (e.g. `save_pretrained`); a later
+    `stiefelize(model, init="nearest")` restores the frames exactly, since the heads are orthonormal.
+    Safe on a `copy.deepcopy` of a converted model: the original keeps its parametrizations.
+    """
+    for module in list(model.modules()):
+        if not parametrize.is_parametrized(module):
+            continue
+        # A deep copy shares torch's per-instance parametrized class with its original, and removing a
+        # parametrization deletes a property of that class: give this module a class of its own first.
+        cls = module.__class__
+        module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
+        for name, plist in list(module.parametrizations.items()):
+            if any(isinstance(p, StiefelProjection) for p in plist):
+                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    return model
