@@ -230,6 +230,7 @@ def cells(experiment: str, profile: str, seeds: int, n: int | None = None, per_n
         for arm, grid in FRAME_LR_GRID.items():
             out += [_cell(make_config(profile, arm, s, n_main, split="val", frame_lr=f)) for f in grid for s in S]
         for arm, grid in CONTROL_LR_GRID.items():
+            grid = grid[1:3] if profile == "smoke" else grid  # smoke only has to run
             which = arm_spec(arm).swept
             out += [_cell(make_config(profile, arm, s, n_main, split="val", **{which: x})) for x in grid for s in S]
     elif experiment == "controls":

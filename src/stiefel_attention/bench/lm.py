@@ -156,6 +156,7 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
         for arm in sorted(MAIN_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
             which = arm_spec(arm).swept
             grid = LR_GRID if which == "lr" else FRAME_LR_GRID[arm]
+            grid = grid[1:3] if profile == "smoke" else grid  # smoke only has to run
             out += [_cell(make_config(profile, arm, s, "sweep", **{which: x})) for x in grid for s in S]
         return out
     if experiment == "scaling":
@@ -282,7 +283,7 @@ class LMFamily(Family):
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
         if seeds is None:  # the protocol's seeds; the smoke profile only has to run
-            seeds = 2 if profile == "smoke" else DEFAULT_SEEDS[experiment]
+            seeds = (1 if experiment == "lr-sweep" else 2) if profile == "smoke" else DEFAULT_SEEDS[experiment]
         return cells(experiment, profile, seeds)
 
     def run_options(self, args) -> dict:
