@@ -526,3 +526,52 @@ def test_without_the_bench_extra_the_suite_commands_say_what_to_install(monkeypa
     assert cli.main(["report", "results"]) == 2
     parser = cli.build_parser()  # certify and demo stay available: they need the library alone
     assert parser.parse_args(["certify", "--seed", "3"]).func is cli._cmd_certify
+
+
+def test_cifar_downloads_itself_when_no_source_is_found(fake_cifar, tmp_path, monkeypatch, capsys):
+    """A fresh machine with network and no CIFAR-10: the canonical archive is fetched into data/ (a fake server)."""
+    import hashlib
+    import io
+    import tarfile
+    import urllib.request
+
+    from stiefel_attention.bench import cifar10
+
+    archive = tmp_path / "served.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(fake_cifar, arcname="cifar-10-batches-py")
+    payload = archive.read_bytes()
+    requested = []
+    monkeypatch.setattr(
+        urllib.request, "urlopen", lambda url, timeout=None: requested.append(url) or io.BytesIO(payload)
+    )
+    monkeypatch.setattr(cifar10, "CIFAR10_MD5", hashlib.md5(payload).hexdigest())
+    work = tmp_path / "fresh" / "machine"  # nothing at ../shared/... either
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    args = ["cifar", "--experiment", "main", "--profile", "smoke", "--seeds", "1", "--out", str(tmp_path / "out")]
+    assert cli.main([*args, "--no-download", "--jobs", "1", "--no-progress"]) == 2
+    assert "No CIFAR-10 source found" in capsys.readouterr().err and not requested
+    for key, value in (("n_main", 100), ("n_test", None), ("epochs", 1)):
+        monkeypatch.setitem(cifar.PROFILES["smoke"], key, value)
+    assert cli.main([*args, "--jobs", "1", "--no-progress"]) == 0
+    assert requested == [cifar10.CIFAR10_URL] and (work / "data" / "cifar-10-batches-py" / "test_batch").is_file()
+    assert "downloading the canonical archive" in capsys.readouterr().err
+    cifar.cached_dataset.cache_clear()
+    assert cli.main([*args, "--jobs", "1", "--no-progress"]) == 0 and len(requested) == 1  # found in data/ now
+
+
+def test_cifar_download_without_network_says_what_to_do(tmp_path, monkeypatch, capsys):
+    import urllib.error
+    import urllib.request
+
+    def offline(url, timeout=None):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    work = tmp_path / "fresh" / "machine"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    assert cli.main(["cifar", "--experiment", "main", "--profile", "smoke", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "no network" in err and "--data" in err and "Traceback" not in err

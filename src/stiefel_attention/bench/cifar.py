@@ -17,6 +17,7 @@ import copy
 import hashlib
 import math
 import statistics
+import sys
 import time
 from functools import lru_cache
 
@@ -27,7 +28,15 @@ from ..manifold import isometry_error
 from ..metrics import attention_metrics
 from ..nn import qk_matrices
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
-from .cifar10 import balanced_subset, load_cifar10, normalize, train_val_split
+from .cifar10 import (
+    CIFAR10_URL,
+    SourceNotFound,
+    balanced_subset,
+    download_cifar10,
+    load_cifar10,
+    normalize,
+    train_val_split,
+)
 from .cifar_report import claim_rows, write_cifar_report
 from .errors import NotReady
 from .family import Family
@@ -84,6 +93,7 @@ PROFILES["paper"] = dict(
     warmup_epochs=5,
 )
 
+DOWNLOAD_DIR = "data"  # where a missing CIFAR-10 is downloaded (the first place resolve_cifar_source looks)
 MAIN_ARMS = ("adamw", "adamw-orthoinit", "stiefel-adam", "stiefel-sgd", "frozen")
 # The controls and modern baselines (issue: when does the geometry dominate?), each at the learning
 # rate its own validation sweep chose; run beside adamw, frozen and stiefel-adam.
@@ -430,11 +440,7 @@ class CifarFamily(Family):
         parser.add_argument(
             "--n", type=int, default=None, help="training images for main/ablation/eps (default: the profile's)"
         )
-        parser.add_argument(
-            "--data",
-            default=None,
-            help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places",
-        )
+        self.add_reproduce_arguments(parser)  # --data, --no-download
 
     def cells(
         self, experiment: str, profile: str, seeds: int | None = None, n: int | None = None, **options
@@ -445,20 +451,36 @@ class CifarFamily(Family):
 
     def add_reproduce_arguments(self, parser) -> None:
         parser.add_argument(
+            "--no-download",
+            action="store_true",
+            help=f"when no CIFAR-10 source is found, stop instead of downloading it into {DOWNLOAD_DIR}/",
+        )
+        parser.add_argument(
             "--data",
             default=None,
             help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places",
         )
 
     def forward_arguments(self, args) -> list[str]:
-        return ["--data", args.data] if args.data else []
+        return (["--data", args.data] if args.data else []) + (["--no-download"] if args.no_download else [])
 
     def cell_options(self, args) -> dict:
         return {"n": args.n}
 
     def run_options(self, args) -> dict:
         # fail fast, with the data module's message (a DataError); also decodes the cache once for every run here
-        return {"data": cached_dataset(getattr(args, "data", None)).source}
+        try:
+            return {"data": cached_dataset(getattr(args, "data", None)).source}
+        except SourceNotFound:
+            if getattr(args, "no_download", False):
+                raise
+        print(
+            f"CIFAR-10 not found: downloading the canonical archive ({CIFAR10_URL}, 163 MB, md5-checked) into "
+            f"{DOWNLOAD_DIR}/ (--no-download to refuse)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {"data": cached_dataset(str(download_cifar10(DOWNLOAD_DIR))).source}
 
     def describe(self, run_options: dict) -> str:
         return f"data {run_options['data']}"

@@ -43,6 +43,11 @@ from PIL import Image
 
 from .errors import DataError
 
+
+class SourceNotFound(DataError):
+    """No CIFAR-10 source was given and none was found in the usual places (a download can fix this)."""
+
+
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------
@@ -152,9 +157,11 @@ def resolve_cifar_source(path: str | os.PathLike[str] | None = None) -> Path:
     for candidate in tried:
         if candidate.exists():
             return candidate.resolve()
-    raise _data_error(
-        "No CIFAR-10 source found: no --data path given, "
-        f"{ENV_CIFAR10} is not set, and none of these exist: " + ", ".join(str(t) for t in tried) + "."
+    raise SourceNotFound(
+        _data_error(
+            "No CIFAR-10 source found: no --data path given, "
+            f"{ENV_CIFAR10} is not set, and none of these exist: " + ", ".join(str(t) for t in tried) + "."
+        ).args[0]
     )
 
 
@@ -531,8 +538,8 @@ def load_cifar10(
 
 def download_cifar10(
     dest_dir: str | os.PathLike[str],
-    url: str = CIFAR10_URL,
-    md5: str = CIFAR10_MD5,
+    url: str | None = None,
+    md5: str | None = None,
 ) -> Path:
     """Download, verify (md5) and extract the canonical CIFAR-10 python archive.
 
@@ -540,6 +547,7 @@ def download_cifar10(
     reused; an existing archive is reused if its checksum matches. A download
     with the wrong checksum is deleted and raises ``DataError``.
     """
+    url, md5 = url or CIFAR10_URL, md5 or CIFAR10_MD5  # looked up at call time (tests point them elsewhere)
     dest = Path(dest_dir).expanduser()
     target = dest / CIFAR10_PICKLE_DIR
     if all((target / name).is_file() for name in _PICKLE_FILES):
@@ -553,6 +561,27 @@ def download_cifar10(
     except OSError as err:
         raise _data_error(f"Cannot write CIFAR-10 into {str(dest)!r}: {err}.") from err
     return target
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _progress(response, url: str):
+    """A tqdm bar over the download's bytes (its size from Content-Length), or nothing without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    length = getattr(response, "headers", {}).get("Content-Length") if hasattr(response, "headers") else None
+    return tqdm(total=int(length) if length else None, unit="B", unit_scale=True, desc=url.rsplit("/", 1)[-1])
 
 
 def _md5_of_file(path: Path) -> str:
@@ -573,10 +602,11 @@ def _download_verified(url: str, archive: Path, md5: str) -> None:
         with os.fdopen(fd, "wb") as out:
             try:
                 # Looked up at call time so tests can monkeypatch urllib.request.urlopen.
-                with urllib.request.urlopen(url, timeout=60) as response:
+                with urllib.request.urlopen(url, timeout=60) as response, _progress(response, url) as bar:
                     for chunk in iter(lambda: response.read(1 << 20), b""):
                         digest.update(chunk)
                         out.write(chunk)
+                        bar.update(len(chunk))
             except (urllib.error.URLError, OSError, ValueError) as err:
                 raise _data_error(
                     f"Downloading {url} failed ({err}). Download it by other means and "

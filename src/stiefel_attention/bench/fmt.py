@@ -5,13 +5,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["fmt_ci", "fmt_p", "fmt_t", "save_figure"]
+__all__ = ["fmt_ci", "fmt_p", "fmt_t", "save_figure", "undefined"]
+
+
+def undefined(x) -> bool:
+    """NaN in memory, null (None) once a summary has been through strict JSON."""
+    return x is None or (isinstance(x, float) and math.isnan(x))
 
 
 def fmt_ci(ci: list[float], digits: int = 2) -> str:
     """[lo, hi] with a sign, or n/a when one seed leaves the interval undefined."""
     lo, hi = ci
-    if math.isnan(lo) or math.isnan(hi):
+    if undefined(lo) or undefined(hi):
         return "n/a"
     return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
 

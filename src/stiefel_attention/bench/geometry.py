@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from .fmt import fmt_ci, fmt_p, save_figure
+from .fmt import fmt_ci, fmt_p, save_figure, undefined
 from .stats import describe, paired_comparison
 
 __all__ = ["Measure", "controls_summary", "decay_summary", "mechanism_curves", "geometry_section", "GEOMETRY_ARMS"]
@@ -180,7 +180,7 @@ def _arm_order(arm: str) -> tuple[int, str]:
 
 def significant(st: dict) -> bool:
     lo, hi = st["ci95"]
-    return not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
+    return not (undefined(lo) or undefined(hi)) and (lo > 0 or hi < 0)
 
 
 def fmt_diff(st: dict, unit: str, digits: int = 2) -> str:
@@ -253,7 +253,7 @@ def decay_markdown(summary: dict, digits: int = 2) -> list[str]:
 
 
 def _fmt(x, digits: int) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+    return "n/a" if undefined(x) else f"{x:.{digits}f}"
 
 
 def mechanism_plot(summary: dict, out_dir: Path, made: list[str], log_x: bool = False) -> None:
@@ -385,13 +385,18 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
     unit = m["unit"]
     if sens is None:
         parts = ["sensitivity not measured yet"]
+    elif sens["n_seeds"] < 2:
+        parts = ["too few seeds yet to tell whether learning Q/K matters"]
     elif not significant(sens):
         parts = [
             f"cannot rank Q/K optimizers: frozen Q/K score like trained ones ({sens['mean_diff']:+.{digits}f} "
             f"{unit} {fmt_ci(sens['ci95'], digits)})"
         ]
     else:
-        parts = ["learning Q/K matters here"]
+        parts = [
+            f"learning Q/K matters here (trained − frozen {sens['mean_diff']:+.{digits}f} {unit} "
+            f"{fmt_ci(sens['ci95'], digits)})"
+        ]
     better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
     testable = [c for c in vs if c["n_seeds"] >= 2]
     ahead = [c["baseline"] for c in testable if significant(c) and better(c)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Cell", "code_version", "read_record", "write_json_atomic"]
+__all__ = ["Cell", "code_version", "read_record", "strict", "write_json_atomic"]
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,26 @@ class Cell:
         return Path(runs_dir) / f"{self.name}-{self.key}.json"
 
 
+def strict(obj):
+    """obj with every NaN or infinite float replaced by None, so that any JSON reader can load it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON so that a reader never sees a partial file, even if we are killed mid-write."""
+    """Write strict JSON (NaN and infinities become null) so that a reader never sees a partial file,
+    even if we are killed mid-write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=False)
+            json.dump(strict(obj), f, indent=1, sort_keys=False, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
