@@ -67,7 +67,7 @@ def _write(tmp_path, family, controls=None, decay=None):
 def test_verdict_an_insensitive_testbed_cannot_rank(tmp_path):
     recs = _controls({"adamw": 0.0, "frozen": 0.0, "stiefel-adam": 0.0})
     _write(tmp_path, "cifar", controls=controls_summary(recs, ACC))
-    text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR")]))
+    text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR", "controls", "decay")]))
     assert "cannot rank Q/K optimizers" in text and "no significant difference from adamw, frozen" in text
 
 
@@ -86,7 +86,7 @@ def test_verdict_names_the_constraint_when_the_decay_exemption_does_not_reproduc
         EPOCHS,
     )
     _write(tmp_path, "grok", controls=controls_summary(recs, EPOCHS), decay=decay)
-    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking")]))
+    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
     assert "learning Q/K matters here" in text
     assert "stiefel-adam is ahead of adamw, frozen, adamw-qk-nodecay" in text
     assert "no significant difference from orthogonal-param" in text
@@ -98,7 +98,7 @@ def test_verdict_names_the_constraint_when_the_decay_exemption_does_not_reproduc
 def test_too_few_seeds_are_said_and_never_called_a_tie(tmp_path):
     recs = _controls({"adamw": 0.0, "frozen": -3.0, "stiefel-adam": 1.0}) + [_rec("muon", 0, 49.0)]
     _write(tmp_path, "cifar", controls=controls_summary(recs, ACC))
-    text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR")]))
+    text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR", "controls", "decay")]))
     assert "too few seeds yet for muon" in text and "no significant difference from muon" not in text
 
 
