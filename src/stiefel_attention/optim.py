@@ -734,7 +734,9 @@ class StiefelAdam(_RiemannianOptimizer):
             second moment); False forces the frame-by-frame reference path.
         nonfinite: "raise" or "skip" (see the module docstring); "skip" with max_step set gives a
             frame step with no device-to-host synchronisation.
-        foreach, fused: passed to torch's AdamW for AdamW groups (None: torch's choice).
+        foreach: passed to torch's AdamW for AdamW groups (None: torch's choice).
+        fused: passed to torch's AdamW for AdamW groups (None: torch's choice); with
+            nonfinite="skip", fused AdamW groups skip a non-finite step on the device.
     """
 
     _n_frame_items = 4
