@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
-import tarfile
 import urllib.error
 import urllib.request
 from collections import OrderedDict
@@ -16,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers import make_tar, write_pickle_batches
 from stiefel_attention.bench import cifar10 as data
 from stiefel_attention.bench.cifar10 import (
     CIFAR10_CLASSES,
@@ -50,22 +50,8 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def make_pickle_dir(root: Path, per_batch: int = 20, seed: int = 0) -> dict[str, np.ndarray]:
     """Write a canonical-layout cifar-10-batches-py; return the expected arrays."""
     rng = np.random.default_rng(seed)
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    xs, ys = [], []
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        x = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
-        y = rng.integers(0, 10, size=per_batch).tolist()
-        batch = {b"batch_label": name.encode(), b"data": x, b"labels": y}
-        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
-        xs.append(x.reshape(-1, 3, 32, 32))
-        ys.append(np.array(y, dtype=np.int64))
-    return {
-        "train_x": np.concatenate(xs[:5]),
-        "train_y": np.concatenate(ys[:5]),
-        "test_x": xs[5],
-        "test_y": ys[5],
-    }
+    labels = rng.integers(0, 10, size=6 * per_batch)
+    return write_pickle_batches(root / "cifar-10-batches-py", labels[: 5 * per_batch], labels[5 * per_batch :], seed)
 
 
 def make_image_dir(
@@ -88,14 +74,6 @@ def make_image_dir(
         expected[f"{split}_x"] = np.stack(xs)
         expected[f"{split}_y"] = np.array(ys, dtype=np.int64)
     return expected
-
-
-def make_tar(source: Path, archive: Path, arcname: str = "") -> Path:
-    """Tar.gz the *contents* of ``source``, optionally under a wrapping folder ``arcname``."""
-    with tarfile.open(archive, "w:gz") as tar:
-        for child in sorted(source.iterdir()):
-            tar.add(child, arcname=f"{arcname}/{child.name}" if arcname else child.name)
-    return archive
 
 
 def assert_matches(loaded: data.Cifar10, expected: dict[str, np.ndarray]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
+from helpers import make_tar, smoke_args, write_pickle_batches
 from stiefel_attention.bench import cifar, cli, grok
 from stiefel_attention.bench.cifar10 import ENV_CACHE, ENV_CIFAR10
 from stiefel_attention.bench.cifar_report import cifar_summary, write_cifar_report
@@ -39,16 +39,9 @@ def _isolated_cache(monkeypatch, tmp_path_factory):
 def fake_cifar(tmp_path_factory) -> str:
     """cifar-10-batches-py with 30 train and 10 test images per class."""
     root = tmp_path_factory.mktemp("fake") / "cifar-10-batches-py"
-    root.mkdir()
-    rng = np.random.default_rng(0)
     train_labels = np.repeat(np.arange(10), 30)
-    rng.shuffle(train_labels)
-    for i, chunk in enumerate(np.split(train_labels, 5), start=1):
-        x = rng.integers(0, 256, size=(len(chunk), 3072), dtype=np.uint8)
-        (root / f"data_batch_{i}").write_bytes(pickle.dumps({b"data": x, b"labels": chunk.tolist()}))
-    test_labels = np.repeat(np.arange(10), 10)
-    x = rng.integers(0, 256, size=(100, 3072), dtype=np.uint8)
-    (root / "test_batch").write_bytes(pickle.dumps({b"data": x, b"labels": test_labels.tolist()}))
+    np.random.default_rng(0).shuffle(train_labels)
+    write_pickle_batches(root, train_labels, np.repeat(np.arange(10), 10))
     return str(root)
 
 
@@ -351,24 +344,7 @@ def test_reproduce_certifies_runs_every_step_and_writes_the_report(fake_cifar, t
 
 
 def test_cli_smoke_on_generated_data(fake_cifar, tmp_path, capsys):
-    args = [
-        "cifar",
-        "--experiment",
-        "movement",
-        "--profile",
-        "smoke",
-        "--seeds",
-        "2",
-        "--n",
-        str(N_TRAIN),
-        "--data",
-        fake_cifar,
-        "--out",
-        str(tmp_path),
-        "--jobs",
-        "1",
-        "--no-progress",
-    ]
+    args = smoke_args("cifar", "movement", str(tmp_path), "--seeds", "2", "--n", str(N_TRAIN), "--data", fake_cifar)
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "adamw / arm per-step movement" in out
@@ -381,20 +357,7 @@ def test_cli_smoke_on_generated_data(fake_cifar, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not REAL_ARCHIVE.exists(), reason="shared CIFAR-10 archive not present")
 def test_real_smoke_experiment_on_shared_data(tmp_path):
-    args = [
-        "cifar",
-        "--experiment",
-        "main",
-        "--profile",
-        "smoke",
-        "--data",
-        str(REAL_ARCHIVE),
-        "--out",
-        str(tmp_path),
-        "--jobs",
-        "1",
-        "--no-progress",
-    ]
+    args = smoke_args("cifar", "main", str(tmp_path), "--data", str(REAL_ARCHIVE))
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "main" / "summary.json").read_text())
     assert summary["n_records"] == 10
@@ -403,24 +366,9 @@ def test_real_smoke_experiment_on_shared_data(tmp_path):
 
 
 def test_report_rebuilds_summaries_from_records_alone(fake_cifar, tmp_path, capsys):
-    args = [
-        "cifar",
-        "--experiment",
-        "movement",
-        "--profile",
-        "smoke",
-        "--seeds",
-        "2",
-        "--n",
-        str(N_TRAIN),
-        "--data",
-        fake_cifar,
-        "--out",
-        str(tmp_path / "cifar"),
-        "--jobs",
-        "1",
-        "--no-progress",
-    ]
+    args = smoke_args(
+        "cifar", "movement", str(tmp_path / "cifar"), "--seeds", "2", "--n", str(N_TRAIN), "--data", fake_cifar
+    )
     assert cli.main(args) == 0
     first = json.loads((tmp_path / "cifar" / "movement" / "summary.json").read_text())
     for p in (tmp_path / "cifar" / "movement").iterdir():
@@ -532,15 +480,11 @@ def test_cifar_downloads_itself_when_no_source_is_found(fake_cifar, tmp_path, mo
     """A fresh machine with network and no CIFAR-10: the canonical archive is fetched into data/ (a fake server)."""
     import hashlib
     import io
-    import tarfile
     import urllib.request
 
     from stiefel_attention.bench import cifar10
 
-    archive = tmp_path / "served.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(fake_cifar, arcname="cifar-10-batches-py")
-    payload = archive.read_bytes()
+    payload = make_tar(Path(fake_cifar).parent, tmp_path / "served.tar.gz").read_bytes()
     requested = []
     monkeypatch.setattr(
         urllib.request, "urlopen", lambda url, timeout=None: requested.append(url) or io.BytesIO(payload)

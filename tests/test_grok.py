@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import smoke_args
 from stiefel_attention.bench import cli, grok
 from stiefel_attention.bench.models import ModularTransformer
 from stiefel_attention.bench.modular import MODULAR_OPS, modular_table, modular_task
@@ -149,18 +150,7 @@ def test_slingshot_regularises_everything_but_qk():
 
 
 def test_cli_single_smoke(tmp_path, capsys):
-    args = [
-        "grok",
-        "--experiment",
-        "single",
-        "--profile",
-        "smoke",
-        "--out",
-        str(tmp_path),
-        "--jobs",
-        "1",
-        "--no-progress",
-    ]
+    args = smoke_args("grok", "single", str(tmp_path))
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "single" / "summary.json").read_text())
     arms = {r["arm"]: r for r in summary["runs"]}
@@ -319,18 +309,7 @@ def test_slingshot_summary_gives_each_pilot_its_conditions_ratio_and_verdict():
 
 
 def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, capsys):
-    args = [
-        "grok",
-        "--experiment",
-        "single",
-        "--profile",
-        "smoke",
-        "--out",
-        str(tmp_path),
-        "--jobs",
-        "1",
-        "--no-progress",
-    ]
+    args = smoke_args("grok", "single", str(tmp_path))
     assert cli.main(args) == 0
     path = next((tmp_path / "runs").glob("stiefel-adam-*.json"))
     capsys.readouterr()

@@ -299,9 +299,10 @@ def _draw_leads(ax, summary: dict, title: str | None = None) -> None:
     leads = summary["leads"]
     xs = [lead[summary["key"]] for lead in leads]
     means = [lead["mean_diff"] for lead in leads]
+    # one seed leaves the interval undefined (NaN, or null once through strict JSON): no bar then
     errs = [
-        [m - lead["ci95"][0] for m, lead in zip(means, leads)],
-        [lead["ci95"][1] - m for m, lead in zip(means, leads)],
+        [0.0 if undefined(lead["ci95"][0]) else m - lead["ci95"][0] for m, lead in zip(means, leads)],
+        [0.0 if undefined(lead["ci95"][1]) else lead["ci95"][1] - m for m, lead in zip(means, leads)],
     ]
     ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3)
     ax.axhline(0.0, color="grey", lw=0.8)

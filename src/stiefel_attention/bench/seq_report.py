@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .arms import arm_spec
+from .fmt import fmt_ci
 from .geometry import (
     Measure,
     controls_markdown,
@@ -213,8 +214,7 @@ def mqar_markdown(summary: dict, profile: str) -> str:
             if sens:
                 c = sens[0]
                 lines.append(
-                    f"- {pairs} pairs: {c['mean_diff']:+.0f} steps, 95% CI [{c['ci95'][0]:+.0f}, "
-                    f"{c['ci95'][1]:+.0f}], {c['n_seeds']} seeds"
+                    f"- {pairs} pairs: {c['mean_diff']:+.0f} steps, 95% CI {fmt_ci(c['ci95'], 0)}, {c['n_seeds']} seeds"
                 )
         lines.append("")
     lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
