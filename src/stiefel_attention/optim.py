@@ -193,9 +193,9 @@ def _cap(xi: Tensor, max_step: float | None) -> Tensor:
 
 
 def _keep_where(keep: Tensor | None, new: Tensor, old: Tensor) -> None:
-    """new <- old where keep is False; keep (on the device) has new's leading (batch) shape."""
+    """new <- old where keep is False, in place; keep (on the device) has new's leading (batch) shape."""
     if keep is not None:
-        new.copy_(torch.where(keep.view(keep.shape + (1,) * (new.dim() - keep.dim())), new, old))
+        torch.where(keep.view(keep.shape + (1,) * (new.dim() - keep.dim())), new, old, out=new)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,16 +323,32 @@ def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor]) -> tupl
     return As, sq_norms
 
 
-def _batched_moment_update(W: Tensor, G: Tensor, m: Tensor, A: Tensor, beta: float, dampening: float) -> None:
-    """m <- P_W(beta * m + dampening * G) in place, given A = W^T G (two d-sized products)."""
+def _batched_moment_update(
+    W: Tensor,
+    G: Tensor,
+    m: Tensor,
+    A: Tensor,
+    beta: float,
+    dampening: float,
+    keep: Tensor | None = None,
+    scratch: Tensor | None = None,
+) -> None:
+    """m <- P_W(beta * m + dampening * G) in place, given A = W^T G (two d-sized products).
+
+    With keep (skip mode), the new moment is formed in scratch and copied into m only for the frames
+    marked True: the others keep theirs exactly, at the cost of one extra pass instead of a clone.
+    """
     W3, m3 = _frames_view(W), _frames_view(m)
     B = torch.bmm(W3.mT, m3)  # (n, r, r); the old m is tangent at the previous frame, not at W
+    out = m if keep is None else scratch.view_as(m)
     if dampening == 1.0:  # SGD momentum: m <- G + beta m, in one pass
-        torch.add(G.view_as(m), m, alpha=beta, out=m)
+        torch.add(G.view_as(m), m, alpha=beta, out=out)
     else:  # Adam, dampening = 1 - beta: m <- m + dampening (G - m), in one pass
-        m.lerp_(G.view_as(m), dampening)
+        torch.lerp(m, G.view_as(m), dampening, out=out)
     S = sym(B.mul_(beta).add_(A, alpha=dampening))
-    m3.baddbmm_(W3, S, alpha=-1.0)
+    _frames_view(out).baddbmm_(W3, S, alpha=-1.0)
+    if keep is not None:
+        torch.where(keep.view(-1, 1, 1), _frames_view(out), m3, out=m3)
 
 
 def _batched_stiefel_adam(
@@ -363,22 +379,21 @@ def _batched_stiefel_adam(
             _refuse_if_non_finite(precomputed[1], [f"frame parameter {i} of this group" for i in range(len(params))])
     As, sq_norms = precomputed
     coefs = []  # per frame: xi = -coef * m
-    for i, (W, G, m, v, step_t, A, sq) in enumerate(
-        zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms)
+    for i, (W, G, m, v, step_t, A, sq, ws) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms, workspaces)
     ):
         tiny = torch.finfo(v.dtype).tiny
-        old = None if keep is None else (m.clone(), v.clone())
+        old_v = None if keep is None else v.clone()  # one scalar per frame
         step_t += 1
-        _batched_moment_update(W, G, m, A, beta1, 1.0 - beta1)
+        _batched_moment_update(W, G, m, A, beta1, 1.0 - beta1, None if keep is None else keep[i], ws)
         v.mul_(beta2).add_(sq.view_as(v), alpha=1.0 - beta2)
         if keep is None:  # host bias corrections (the step count is read back: one sync per tensor)
             bc1, bc2 = _bias_corrections(float(step_t), beta1, beta2)
             # clamp: with eps = 0 and an all-zero gradient history, m = 0 too and the step is 0, not 0/0
             coefs.append((lr / bc1) / (v.reshape(-1) / bc2).sqrt().add_(eps).clamp_min_(tiny))  # (n,)
             continue
-        # skip mode: everything on the device; skipped frames get their moments back and a zero step
-        _keep_where(keep[i], _frames_view(m), _frames_view(old[0]))
-        _keep_where(keep[i], v.view(-1), old[1].view(-1))
+        # skip mode: everything on the device; skipped frames keep their moments and take a zero step
+        _keep_where(keep[i], v.view(-1), old_v.view(-1))
         t = step_t.to(device=v.device, dtype=v.dtype)  # the count is float32: correct in the frames' precision
         bc1 = 1.0 - torch.pow(beta1, t)
         bc2 = 1.0 - torch.pow(beta2, t)
@@ -394,6 +409,7 @@ def _batched_retract(
     workspaces: list[Tensor],
     max_step: float | None,
     keep: list[Tensor] | None = None,
+    finite_directions: bool = True,
 ) -> None:
     """W <- polar(W - c * direction) for every frame, c per frame after the trust region.
 
@@ -407,6 +423,8 @@ def _batched_retract(
     grams, step_norms = [], []
     for i, (W, D, c, buf) in enumerate(zip(params, directions, coefs, workspaces)):
         D3 = _frames_view(D)
+        if keep is not None:  # a skipped frame takes a zero step: Y = W exactly when its direction is finite
+            c = torch.where(keep[i], c, torch.zeros_like(c))
         step_norm = c * torch.linalg.vector_norm(D3, dim=(-2, -1))  # (n,) = ||xi||_F before the cap
         if max_step is not None:
             c = c * (max_step / step_norm.clamp_min(torch.finfo(c.dtype).tiny)).clamp(max=1.0)
@@ -414,8 +432,8 @@ def _batched_retract(
         step_norms.append(step_norm.max())
         Y = _frames_view(buf)
         torch.addcmul(_frames_view(W), D3, c.view(-1, 1, 1), value=-1.0, out=Y)  # Y = W + xi
-        if keep is not None:
-            _keep_where(keep[i], Y, _frames_view(W))  # a skipped frame's direction may hold NaN
+        if keep is not None and not finite_directions:  # a skipped frame's direction may hold NaN
+            _keep_where(keep[i], Y, _frames_view(W))
         grams.append(torch.bmm(Y.mT, Y))  # (n, r, r)
     if keep is not None and max_step is not None:
         step_bound = max_step
@@ -488,10 +506,7 @@ def stiefel_sgd(
     As = precomputed[0]
     if momentum != 0.0:
         for i, (W, G, buf, A) in enumerate(zip(params, grads, momentum_buffers, As)):
-            old = None if keep is None else buf.clone()
-            _batched_moment_update(W, G, buf, A, momentum, 1.0)
-            if keep is not None:
-                _keep_where(keep[i], _frames_view(buf), _frames_view(old))
+            _batched_moment_update(W, G, buf, A, momentum, 1.0, None if keep is None else keep[i], workspaces[i])
         directions = momentum_buffers
     else:
         # The direction is g itself, held in the workspace; the retraction then overwrites it
@@ -500,7 +515,8 @@ def stiefel_sgd(
             torch.baddbmm(G.reshape(_frames_view(W).shape), _frames_view(W), sym(A), alpha=-1.0, out=_frames_view(buf))
         directions = workspaces
     coefs = [torch.full((_frames_view(W).shape[0],), lr, dtype=W.dtype, device=W.device) for W in params]
-    _batched_retract(params, directions, coefs, workspaces, max_step, keep)
+    # with momentum the directions are the (restored, finite) buffers; without, the raw tangent gradients
+    _batched_retract(params, directions, coefs, workspaces, max_step, keep, finite_directions=momentum != 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
