@@ -19,6 +19,7 @@ else:
     ray = pytest.importorskip("ray")
 
 from stiefel_attention.bench import cli  # noqa: E402
+from stiefel_attention.bench.family import FAMILY_MODULES  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -121,8 +122,9 @@ def test_ray_reports_a_run_that_keeps_failing_after_its_retries(local_ray_cluste
     assert records == {} and len(failures) == 1
     cell, err = failures[0]
     assert cell.key == bad.key and isinstance(err, ValueError) and "unknown experiment family" in str(err)
+    registered = ", ".join(FAMILY_MODULES)
     assert executor.retried == [
-        ("bad-s0", 1, "ValueError: unknown experiment family 'no-such-family'; registered: cifar, grok")
+        ("bad-s0", 1, f"ValueError: unknown experiment family 'no-such-family'; registered: {registered}")
     ]
     assert "retrying (1/1)" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))
