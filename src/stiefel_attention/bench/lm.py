@@ -23,13 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from .arms import arm_spec
-from .errors import NotReady
 from .family import Family
 from .models import CharGPT
 from .records import Cell
 from .seq_report import write_lm_report
 from .text import fixed_windows, load_text, random_windows
-from .training import Trainer, log_mechanism
+from .training import SEQUENCE_ARMS, Trainer, default_seeds, log_mechanism, sweep_points, tuned_rates
 
 _NANOGPT = dict(lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1, sgd_frame_lr=1.0)
 PROFILES: dict[str, dict] = {
@@ -70,28 +69,7 @@ PROFILES: dict[str, dict] = {
         **_NANOGPT,
     ),
 }
-# Every arm of the suite except the CIFAR-only ablations.
-MAIN_ARMS = (
-    "adamw",
-    "adamw-orthoinit",
-    "frozen",
-    "stiefel-adam",
-    "stiefel-sgd",
-    "adamw-qk-nodecay",
-    "orthogonal-param",
-    "qk-norm",
-    "muon",
-    "stiefel-adam-temp",
-)
-# Sweep grids, by the rate each arm sweeps: every parameter's lr, or W_Q, W_K's frame_lr (others at the profile's).
-LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
-FRAME_LR_GRID = {
-    "stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1),
-    "stiefel-adam-temp": (3e-3, 1e-2, 3e-2, 1e-1),
-    "stiefel-sgd": (0.1, 0.3, 1.0, 3.0, 10.0),
-    "orthogonal-param": (3e-4, 1e-3, 3e-3, 1e-2),
-    "muon": (3e-4, 1e-3, 3e-3, 1e-2),
-}
+MAIN_ARMS = SEQUENCE_ARMS
 SCALING_STEPS = (0.5, 1.0, 2.0)  # training steps, as multiples of the profile's
 EXPERIMENTS = ("main", "lr-sweep", "scaling")
 DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6}
@@ -103,14 +81,7 @@ def make_config(profile: str, arm: str, seed: int, split: str = "val", **overrid
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     spec = arm_spec(arm)
     prof = copy.deepcopy(PROFILES[profile])
-    tuned = prof["tuned"].get(arm, {})
-    if not tuned and split == "val" and profile != "smoke":
-        raise NotReady(
-            f"lm profile {profile!r} has no learning rate chosen for arm {arm!r} yet: run "
-            f"`stiefel-attention lm --experiment lr-sweep --profile {profile}` and enter the best "
-            "held-out rate in lm.PROFILES[...]['tuned']"
-        )
-    frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
+    rates = tuned_rates("lm", PROFILES, profile, arm, "val", split)
     cfg = dict(
         profile=profile,
         arm=arm,
@@ -123,8 +94,7 @@ def make_config(profile: str, arm: str, seed: int, split: str = "val", **overrid
         eval_every=prof["eval_every"],
         n_eval=prof["n_eval"],
         warmup=prof["warmup"],
-        lr=tuned.get("lr", prof["lr"]),
-        frame_lr=tuned.get("frame_lr", frame_lr),
+        **rates,
         weight_decay=prof["weight_decay"],
         betas=prof["betas"],
         max_step=prof["max_step"] if spec.trust_region else None,
@@ -151,14 +121,12 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     S = range(seeds)
     if experiment == "main":
         return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
-    if experiment == "lr-sweep":  # arms that sweep every rate first: the frame arms' others sit at the profile's
-        out = []
-        for arm in sorted(MAIN_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
-            which = arm_spec(arm).swept
-            grid = LR_GRID if which == "lr" else FRAME_LR_GRID[arm]
-            grid = grid[1:3] if profile == "smoke" else grid  # smoke only has to run
-            out += [_cell(make_config(profile, arm, s, "sweep", **{which: x})) for x in grid for s in S]
-        return out
+    if experiment == "lr-sweep":
+        return [
+            _cell(make_config(profile, arm, s, "sweep", **{which: x}))
+            for arm, which, x in sweep_points(profile)
+            for s in S
+        ]
     if experiment == "scaling":
         steps = PROFILES[profile]["steps"]
         return [
@@ -282,9 +250,7 @@ class LMFamily(Family):
         return ["--data", args.text] if getattr(args, "text", None) else []
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
-        if seeds is None:  # the protocol's seeds; the smoke profile only has to run
-            seeds = (1 if experiment == "lr-sweep" else 2) if profile == "smoke" else DEFAULT_SEEDS[experiment]
-        return cells(experiment, profile, seeds)
+        return cells(experiment, profile, default_seeds(DEFAULT_SEEDS, experiment, profile) if seeds is None else seeds)
 
     def run_options(self, args) -> dict:
         return {"data": cached_text(getattr(args, "text", None)).source}

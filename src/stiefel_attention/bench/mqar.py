@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from .arms import arm_spec
-from .errors import NotReady
 from .family import Family
 from .models import CharGPT
 from .mqar_task import IGNORE, mqar_batch
 from .records import Cell
 from .seq_report import write_mqar_report
-from .training import Trainer, log_mechanism
+from .training import SEQUENCE_ARMS, Trainer, default_seeds, log_mechanism, sweep_points, tuned_rates
 
 SOLVED = 0.99  # test accuracy at query positions that counts as solving the task
 _OPT = dict(lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1, sgd_frame_lr=1.0)
@@ -72,28 +71,9 @@ PROFILES: dict[str, dict] = {
         **_OPT,
     ),
 }
-MAIN_ARMS = (
-    "adamw",
-    "adamw-orthoinit",
-    "frozen",
-    "stiefel-adam",
-    "stiefel-sgd",
-    "adamw-qk-nodecay",
-    "orthogonal-param",
-    "qk-norm",
-    "muon",
-    "stiefel-adam-temp",
-)
+MAIN_ARMS = SEQUENCE_ARMS
 DIFFICULTY_ARMS = ("adamw", "frozen", "stiefel-adam")
 DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (4, 8, 16, 24), "paper": (8, 16, 32, 64)}
-LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
-FRAME_LR_GRID = {
-    "stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1),
-    "stiefel-adam-temp": (3e-3, 1e-2, 3e-2, 1e-1),
-    "stiefel-sgd": (0.1, 0.3, 1.0, 3.0, 10.0),
-    "orthogonal-param": (3e-4, 1e-3, 3e-3, 1e-2),
-    "muon": (3e-4, 1e-3, 3e-3, 1e-2),
-}
 EXPERIMENTS = ("main", "lr-sweep", "difficulty")
 DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6}
 _TEST_SEED, _VAL_SEED = 10_000_019, 10_000_079  # the fixed evaluation sets; no run seed can draw these streams
@@ -104,14 +84,7 @@ def make_config(profile: str, arm: str, seed: int, split: str = "test", **overri
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     spec = arm_spec(arm)
     prof = copy.deepcopy(PROFILES[profile])
-    tuned = prof["tuned"].get(arm, {})
-    if not tuned and split == "test" and profile != "smoke":
-        raise NotReady(
-            f"mqar profile {profile!r} has no learning rate chosen for arm {arm!r} yet: run "
-            f"`stiefel-attention mqar --experiment lr-sweep --profile {profile}` and enter the best "
-            "validation rate in mqar.PROFILES[...]['tuned']"
-        )
-    frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
+    rates = tuned_rates("mqar", PROFILES, profile, arm, "test", split)
     cfg = dict(
         profile=profile,
         arm=arm,
@@ -127,8 +100,7 @@ def make_config(profile: str, arm: str, seed: int, split: str = "test", **overri
         eval_every=prof["eval_every"],
         n_test=prof["n_test"],
         warmup=prof["warmup"],
-        lr=tuned.get("lr", prof["lr"]),
-        frame_lr=tuned.get("frame_lr", frame_lr),
+        **rates,
         weight_decay=prof["weight_decay"],
         betas=prof["betas"],
         max_step=prof["max_step"] if spec.trust_region else None,
@@ -157,13 +129,11 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     if experiment == "main":
         return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
     if experiment == "lr-sweep":
-        out = []
-        for arm in sorted(MAIN_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
-            which = arm_spec(arm).swept
-            grid = LR_GRID if which == "lr" else FRAME_LR_GRID[arm]
-            grid = grid[1:3] if profile == "smoke" else grid  # smoke only has to run
-            out += [_cell(make_config(profile, arm, s, "val", **{which: x})) for x in grid for s in S]
-        return out
+        return [
+            _cell(make_config(profile, arm, s, "val", **{which: x}))
+            for arm, which, x in sweep_points(profile)
+            for s in S
+        ]
     if experiment == "difficulty":
         return [
             _cell(make_config(profile, a, s, n_pairs=k))
@@ -261,9 +231,7 @@ class MQARFamily(Family):
     controls_experiment = "main"
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
-        if seeds is None:  # the protocol's seeds; the smoke profile only has to run
-            seeds = (1 if experiment == "lr-sweep" else 2) if profile == "smoke" else DEFAULT_SEEDS[experiment]
-        return cells(experiment, profile, seeds)
+        return cells(experiment, profile, default_seeds(DEFAULT_SEEDS, experiment, profile) if seeds is None else seeds)
 
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)

@@ -12,9 +12,20 @@ from torch import nn
 
 from ..metrics import attention_metrics
 from ..nn import routing_parameters
-from .arms import HyperParameters, attention_options, build_optimizers
+from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
+from .errors import NotReady
 
-__all__ = ["Trainer", "warmup_cosine", "init_fingerprint", "hyperparameters", "log_mechanism"]
+__all__ = [
+    "Trainer",
+    "warmup_cosine",
+    "init_fingerprint",
+    "hyperparameters",
+    "log_mechanism",
+    "SEQUENCE_ARMS",
+    "sweep_points",
+    "tuned_rates",
+    "default_seeds",
+]
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
@@ -81,3 +92,63 @@ def log_mechanism(log: dict[str, list], model: nn.Module, forward: Callable[[], 
     for name, per_layer in attention_metrics(model, forward, queries=queries).items():
         log.setdefault(name, []).append(per_layer)
     model.train(was_training)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep protocol of the sequence testbeds (lm, mqar): every arm of the suite but the ablations
+# ---------------------------------------------------------------------------------------------
+
+SEQUENCE_ARMS = (
+    "adamw",
+    "adamw-orthoinit",
+    "frozen",
+    "stiefel-adam",
+    "stiefel-sgd",
+    "adamw-qk-nodecay",
+    "orthogonal-param",
+    "qk-norm",
+    "muon",
+    "stiefel-adam-temp",
+)
+# By the rate each arm sweeps (`Arm.swept`): every parameter's lr, or W_Q, W_K's frame_lr (others at the profile's).
+LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
+FRAME_LR_GRID = {
+    "stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-adam-temp": (3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-sgd": (0.1, 0.3, 1.0, 3.0, 10.0),
+    "orthogonal-param": (3e-4, 1e-3, 3e-3, 1e-2),
+    "muon": (3e-4, 1e-3, 3e-3, 1e-2),
+}
+
+
+def sweep_points(profile: str) -> list[tuple[str, str, float]]:
+    """(arm, which rate, value) of a sequence testbed's sweep, the arms that sweep every rate first (the
+    frame arms' other rates sit at the profile's). The smoke profile takes two values per arm: it only has to run."""
+    points = []
+    for arm in sorted(SEQUENCE_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
+        which = arm_spec(arm).swept
+        grid = LR_GRID if which == "lr" else FRAME_LR_GRID[arm]
+        points += [(arm, which, x) for x in (grid[1:3] if profile == "smoke" else grid)]
+    return points
+
+
+def tuned_rates(family: str, profiles: dict, profile: str, arm: str, result_split: str, split: str) -> dict:
+    """The rates the profile's sweep chose for arm: {"lr": ...} and/or {"frame_lr": ...}; the profile's own
+    ones for the sweep itself and the smoke profile. An untuned arm of a result run is NotReady."""
+    tuned = profiles[profile]["tuned"].get(arm, {})
+    if not tuned and split == result_split and profile != "smoke":
+        raise NotReady(
+            f"{family} profile {profile!r} has no learning rate chosen for arm {arm!r} yet: run "
+            f"`stiefel-attention {family} --experiment lr-sweep --profile {profile}` and enter the best "
+            f"rates in {family}.PROFILES[{profile!r}]['tuned']"
+        )
+    prof = profiles[profile]
+    frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
+    return {"lr": tuned.get("lr", prof["lr"]), "frame_lr": tuned.get("frame_lr", frame_lr)}
+
+
+def default_seeds(defaults: dict[str, int], experiment: str, profile: str) -> int:
+    """The protocol's seeds; the smoke profile only has to run (one seed for a sweep, two otherwise)."""
+    if profile == "smoke":
+        return 1 if experiment == "lr-sweep" else 2
+    return defaults[experiment]
