@@ -91,8 +91,20 @@ def test_verdict_names_the_constraint_when_the_decay_exemption_does_not_reproduc
     assert "stiefel-adam is ahead of adamw, frozen, adamw-qk-nodecay" in text
     assert "no significant difference from orthogonal-param" in text
     assert "the constraint carries it, not the decay exemption" in text
+    assert "frozen random frames do as well" not in text  # frozen never groks here
     assert "does not grow monotonically" in text  # the same lead at both decays
     assert (tmp_path / "geometry_decay.png").exists()
+
+
+def test_verdict_says_when_training_qk_hurts_and_frozen_frames_match_the_stiefel_arm(tmp_path):
+    # the grokking pattern as measured: frozen random frames grok like the Stiefel arm, adamw never does
+    recs = _controls({"adamw": 20000, "frozen": 6000, "stiefel-adam": 6000, "adamw-qk-nodecay": 20000})
+    _write(tmp_path, "grok", controls=controls_summary(recs, EPOCHS))
+    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
+    assert "training them with adamw hurts: frozen random frames do better (trained − frozen +14000" in text
+    assert "learning Q/K matters here" not in text
+    assert "stiefel-adam is ahead of adamw, adamw-qk-nodecay" in text
+    assert "frozen random frames do as well as the Stiefel arm" in text
 
 
 def test_too_few_seeds_are_said_and_never_called_a_tie(tmp_path):

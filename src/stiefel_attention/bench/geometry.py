@@ -384,21 +384,21 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
     """A sentence computed from the numbers: can the testbed rank Q/K optimizers, whom does the Stiefel
     arm beat, tie or trail, what the controls say about the mechanism, and how the lead moves with decay."""
     unit = m["unit"]
+    better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
     if sens is None:
         parts = ["sensitivity not measured yet"]
     elif sens["n_seeds"] < 2:
         parts = ["too few seeds yet to tell whether learning Q/K matters"]
-    elif not significant(sens):
-        parts = [
-            f"cannot rank Q/K optimizers: frozen Q/K score like trained ones ({sens['mean_diff']:+.{digits}f} "
-            f"{unit} {fmt_ci(sens['ci95'], digits)})"
-        ]
     else:
-        parts = [
-            f"learning Q/K matters here (trained − frozen {sens['mean_diff']:+.{digits}f} {unit} "
-            f"{fmt_ci(sens['ci95'], digits)})"
-        ]
-    better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
+        gap = f"trained − frozen {sens['mean_diff']:+.{digits}f} {unit} {fmt_ci(sens['ci95'], digits)}"
+        if not significant(sens):
+            parts = [f"cannot rank Q/K optimizers: frozen Q/K score like trained ones ({gap})"]
+        elif better(sens):
+            parts = [f"learning Q/K matters here: adamw's trained W_Q, W_K beat frozen random frames ({gap})"]
+        else:
+            parts = [
+                f"W_Q, W_K matter here, but training them with adamw hurts: frozen random frames do better ({gap})"
+            ]
     testable = [c for c in vs if c["n_seeds"] >= 2]
     ahead = [c["baseline"] for c in testable if significant(c) and better(c)]
     behind = [c["baseline"] for c in testable if significant(c) and not better(c)]
@@ -426,6 +426,11 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
                 "mechanism: exempting W_Q, W_K from decay matches the Stiefel arm, so the decay "
                 "exemption suffices to explain it"
             )
+    if "frozen" in by and not significant(by["frozen"]) and ahead:
+        parts.append(
+            "frozen random frames do as well as the Stiefel arm, so what carries its lead is that W_Q, W_K stay "
+            "orthonormal, not how they are learned"
+        )
     if len(leads) >= 2:
         ordered = sorted(leads, key=lambda lead: lead["weight_decay"])
         grows = all(
