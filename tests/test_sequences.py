@@ -144,3 +144,17 @@ def test_cli_smoke_main_writes_records_and_a_summary(family, corpus_file, tmp_pa
     roles = {c["role"] for c in summary["controls"]["comparisons"]}
     assert roles == {"sensitivity", "stiefel-adam vs arm", "control vs adamw"}
     assert (tmp_path / "main" / "mechanism.png").exists()
+
+
+def test_cli_arms_runs_a_subset_and_the_summary_keeps_every_finished_run(tmp_path, capsys):
+    args = ["mqar", "--experiment", "main", "--profile", "smoke", "--seeds", "1", "--out", str(tmp_path)]
+    args += ["--jobs", "1", "--no-progress"]
+    assert cli.main([*args, "--arms", "frozen,nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert "has no arm nonsense" in err and "stiefel-adam-temp" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
+    assert cli.main([*args, "--arms", "frozen, adamw"]) == 0
+    assert sorted(p.name.split("-s0")[0] for p in (tmp_path / "runs").glob("*.json")) == ["adamw", "frozen"]
+    assert cli.main([*args, "--arms", "stiefel-adam"]) == 0
+    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
+    assert summary["n_records"] == 3 and summary["n_planned"] == 10  # the earlier runs stay in the summary

@@ -123,13 +123,30 @@ def _check_one_profile(runs_dir: Path, profile: str) -> None:
         )
 
 
+def _chosen_arms(arms: str | None, cells: list, what: str) -> list[str]:
+    """The arms of --arms (comma-separated), each checked against the experiment's; [] means all."""
+    if not arms:
+        return []
+    chosen = [a.strip() for a in arms.split(",") if a.strip()]
+    known = list(dict.fromkeys(c.config["arm"] for c in cells))
+    unknown = [a for a in chosen if a not in known]
+    if unknown or not chosen:
+        raise UserError(
+            f"--arms {arms!r}: {what} has no arm {', '.join(unknown) or '(none given)'}; "
+            f"its arms are {', '.join(known)}"
+        )
+    return chosen
+
+
 def _family_command(args: argparse.Namespace) -> int:
     """`stiefel-attention <family> --experiment NAME ...`: run the missing cells, then report."""
+    from .records import read_record
     from .report import load_records
     from .runner import run_cells
 
     family = get_family(args.command)
     cells = family.cells(args.experiment, args.profile, args.seeds, **family.cell_options(args))
+    chosen = _chosen_arms(args.arms, cells, f"{family.name} --experiment {args.experiment}")
     run_options = family.run_options(args)
     out = Path(args.out or default_results_dir(args.profile) / family.name)
     _check_one_profile(out / "runs", args.profile)
@@ -137,13 +154,16 @@ def _family_command(args: argparse.Namespace) -> int:
     print(
         f"{family.name} {args.experiment}: {len(cells)} runs (profile {args.profile})"
         + (f", {about}" if about else "")
+        + (f", running only {', '.join(chosen)}" if chosen else "")
         + f", records in {out / 'runs'}"
     )
     options = {**run_options, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
+    to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]
     records, failures = run_cells(
-        cells, out / "runs", _executor(args), progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
+        to_run, out / "runs", _executor(args), progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
     )
+    records.update({c.key: r for c in cells if c.key not in records and (r := read_record(c.path(out / "runs")))})
     finished = [records[c.key] for c in cells if c.key in records]
     by_key = {r["key"]: r for r in load_records(out / "runs", family.name)}
     family.write_summary(out, args.experiment, finished, args.profile, len(cells), by_key)
@@ -305,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--seeds", type=int, default=None, help="paired seeds 0..N-1 (default: the experiment's protocol)"
+        )
+        p.add_argument(
+            "--arms",
+            default=None,
+            help="run only these arms of the experiment (comma-separated; default all); "
+            "the summary still covers every finished run of the experiment",
         )
         p.add_argument(
             "--out",
