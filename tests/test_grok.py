@@ -320,5 +320,8 @@ def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, cap
     path.write_text(json.dumps(record))
     assert cli.main(["rerun", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "DIFFERENT" in out and "differ: curves.val_acc" in out
+    assert "DIFFERENT" in out and "differ: curves.val_acc (relative" in out
+    epoch = record["curves"]["epoch"][3]
+    assert f"first differs at epoch {epoch} by" in out
+    assert f"re-run on {record['host']['cpu']} ({record['host']['isa']}), the same" in out
     assert cli.main(["rerun", str(tmp_path / "nothing.json")]) == 2

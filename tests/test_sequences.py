@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from stiefel_attention.bench import cli, lm, mqar
+from stiefel_attention.bench import cli, lm, mqar, training
+from stiefel_attention.bench.arms import arm_spec
 from stiefel_attention.bench.errors import DataError
 from stiefel_attention.bench.mqar_task import IGNORE, mqar_batch
 from stiefel_attention.bench.text import ENV_TEXT, fixed_windows, load_text, random_windows
@@ -132,6 +133,18 @@ def test_untuned_arms_are_not_planned_on_the_cpu_profile():
     sweep = mqar.cells("lr-sweep", "cpu", 2)
     assert {c.config["split"] for c in sweep} == {"val"}
     assert [c.config["arm"] for c in sweep][:2] == ["adamw", "adamw"]  # rate-sweeping arms first
+
+
+def test_a_sweep_grid_extension_adds_values_past_the_edge_once():
+    base = training.sweep_points("cpu")
+    ext = training.sweep_points("cpu", {"frozen": (3e-2, 1e-2), "stiefel-sgd": (3e-2,)})
+    assert set(ext) - set(base) == {("frozen", "lr", 3e-2), ("stiefel-sgd", "frame_lr", 3e-2)}
+    assert len(ext) == len(base) + 2  # a value already on the grid is not planned twice
+    assert training.sweep_points("smoke", {"frozen": (3e-2,)}) == training.sweep_points("smoke")
+    with pytest.raises(ValueError, match="do not sweep"):
+        training.sweep_points("cpu", {"nonsense": (1.0,)})
+    planned = {(c.config["arm"], c.config[arm_spec(c.config["arm"]).swept]) for c in mqar.cells("lr-sweep", "cpu", 1)}
+    assert {(arm, x) for arm, xs in mqar.SWEEP_EXTENSIONS["cpu"].items() for x in xs} <= planned
 
 
 @pytest.mark.parametrize("family", ["lm", "mqar"])

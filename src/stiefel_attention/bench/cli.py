@@ -245,7 +245,15 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
             f"re-running {old['name']} ({old['family']}, {threads} thread(s), recorded by {old['code_version']})",
             flush=True,
         )
-        diffs = record_differences(old, execute_cell(cell, threads))
+        new = execute_cell(cell, threads)
+        diffs = record_differences(old, new)
+        if diffs:  # another CPU model rounds differently; say which made each
+            there, here = old.get("host"), new["host"]
+            made = f"{there['cpu']} ({there['isa']})" if there else "a CPU the record does not name"
+            print(
+                f"  recorded on {made}; re-run on {here['cpu']} ({here['isa']})"
+                + (", the same" if there == here else "")
+            )
         shared = len(set(old.get("metrics", {}))) + len(set(old.get("curves", {})))
         print(
             f"  {'identical' if not diffs else 'DIFFERENT'}: {shared} metrics and curves compared"

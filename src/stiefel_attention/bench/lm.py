@@ -74,6 +74,9 @@ MAIN_ARMS = SEQUENCE_ARMS
 SCALING_STEPS = (0.5, 1.0, 2.0)  # training steps, as multiples of the profile's
 EXPERIMENTS = ("main", "lr-sweep", "scaling")
 DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6}
+# Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
+# best value sat on that edge: results/lm/lr-sweep/summary.md flags such arms.
+SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {}
 SAMPLE_CHARS = 300
 
 
@@ -125,7 +128,7 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     if experiment == "lr-sweep":
         return [
             _cell(make_config(profile, arm, s, "sweep", **{which: x}))
-            for arm, which, x in sweep_points(profile)
+            for arm, which, x in sweep_points(profile, SWEEP_EXTENSIONS.get(profile))
             for s in S
         ]
     if experiment == "scaling":

@@ -76,6 +76,11 @@ DIFFICULTY_ARMS = ("adamw", "frozen", "stiefel-adam")
 DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (4, 8, 16, 24), "paper": (8, 16, 32, 64)}
 EXPERIMENTS = ("main", "lr-sweep", "difficulty")
 DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6}
+# Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
+# best value sat on that edge: results/mqar/lr-sweep/summary.md flags such arms.
+SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
+    "cpu": {"frozen": (3e-2,), "qk-norm": (3e-2,), "muon": (3e-2, 1e-1), "stiefel-sgd": (3e-2,)},
+}
 _TEST_SEED, _VAL_SEED = 10_000_019, 10_000_079  # the fixed evaluation sets; no run seed can draw these streams
 
 
@@ -131,7 +136,7 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     if experiment == "lr-sweep":
         return [
             _cell(make_config(profile, arm, s, "val", **{which: x}))
-            for arm, which, x in sweep_points(profile)
+            for arm, which, x in sweep_points(profile, SWEEP_EXTENSIONS.get(profile))
             for s in S
         ]
     if experiment == "difficulty":

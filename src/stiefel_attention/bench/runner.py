@@ -30,6 +30,7 @@ __all__ = [
     "RayNotInstalled",
     "execute_cell",
     "record_differences",
+    "host",
     "run_cells",
 ]
 
@@ -50,6 +51,21 @@ class Heartbeat:
         if now - self.last >= self.every_s or done == total:
             self.last = now
             print(f"  {self.name}: epoch {done}/{total}", file=sys.stderr, flush=True)
+
+
+def host() -> dict:
+    """The CPU a record is made on: another CPU model's vectorised kernels round differently (about 1e-7)."""
+    import platform
+
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability()}
 
 
 def execute_cell(cell: Cell, threads: int | None = None) -> dict:
@@ -80,6 +96,7 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
         "config": cell.config,
         "code_version": version,
         "torch": torch.__version__,
+        "host": host(),
         **result,
     }
 
@@ -311,17 +328,33 @@ def run_cells(
 def record_differences(old: dict, new: dict) -> list[str]:
     """Where two records of one cell disagree in what the run measured: metrics and curves, compared
     exactly, over the keys both have (a record made before a metric existed lacks it; timings and
-    provenance are not results). Each entry names the key and, for numbers, the largest relative gap."""
+    provenance are not results). Each entry names the key and, for numbers, the largest relative gap; for
+    a curve, also the first evaluation point that differs (round-off agrees to ~1e-7 there and may grow
+    later in a chaotic run; a change in the code usually differs by more, or from the start)."""
     diffs = []
     if old.get("key") != new.get("key"):
         diffs.append(f"config hash {old.get('key')} != {new.get('key')}")
+    curves_a, curves_b = old.get("curves", {}), new.get("curves", {})
+    axis = next((k for k in ("epoch", "step") if curves_a.get(k) == curves_b.get(k) and k in curves_a), None)
     for part in ("metrics", "curves"):
         a, b = old.get(part, {}), new.get(part, {})
         for k in sorted(set(a) & set(b)):
             if a[k] != b[k]:
                 gap = _largest_relative_gap(a[k], b[k])
-                diffs.append(f"{part}.{k}" + (f" (relative {gap:.1e})" if gap is not None else ""))
+                text = f"{part}.{k}" + (f" (relative {gap:.1e}" if gap is not None else "")
+                first = _first_difference(a[k], b[k]) if part == "curves" and gap is not None else None
+                if first is not None:
+                    where = f"{axis} {curves_a[axis][first]}" if axis and k != axis else f"point {first}"
+                    text += f"; first differs at {where} by {_largest_relative_gap(a[k][first], b[k][first]):.1e}"
+                diffs.append(text + (")" if gap is not None else ""))
     return diffs
+
+
+def _first_difference(a, b) -> int | None:
+    """Index of the first differing entry of two equally long lists (None for anything else)."""
+    if not (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def _largest_relative_gap(a, b) -> float | None:

@@ -121,14 +121,24 @@ FRAME_LR_GRID = {
 }
 
 
-def sweep_points(profile: str) -> list[tuple[str, str, float]]:
+def sweep_points(profile: str, extended: dict[str, tuple[float, ...]] | None = None) -> list[tuple[str, str, float]]:
     """(arm, which rate, value) of a sequence testbed's sweep, the arms that sweep every rate first (the
-    frame arms' other rates sit at the profile's). The smoke profile takes two values per arm: it only has to run."""
+    frame arms' other rates sit at the profile's). extended: arm -> values a family's sweep adds past an
+    edge of the arm's grid (the protocol, when the best value sits on that edge). The smoke profile takes
+    two values per arm: it only has to run."""
+    extended = extended or {}
+    unknown = set(extended) - set(SEQUENCE_ARMS)
+    if unknown:
+        raise ValueError(f"grid extensions for arms that do not sweep: {sorted(unknown)}")
     points = []
     for arm in sorted(SEQUENCE_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
         which = arm_spec(arm).swept
         grid = LR_GRID if which == "lr" else FRAME_LR_GRID[arm]
-        points += [(arm, which, x) for x in (grid[1:3] if profile == "smoke" else grid)]
+        if profile == "smoke":
+            grid = grid[1:3]
+        else:
+            grid = tuple(grid) + tuple(x for x in extended.get(arm, ()) if x not in grid)
+        points += [(arm, which, x) for x in grid]
     return points
 
 
