@@ -199,7 +199,7 @@ FRAME_LR_GRID = {"stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1), "stiefel-sgd": (0.03,
 # The control arms' grids: the rate their arm sweeps (`Arm.swept`), every other rate at the profile's.
 # AdamW-scale rates for AdamW on the parametrization's originals and for Muon (match_rms_adamw).
 CONTROL_LR_GRID = {
-    "adamw-qk-nodecay": LR_GRID,
+    "adamw-qk-nodecay": (*LR_GRID, 8e-3),  # its best value sat on LR_GRID's upper edge
     "qk-norm": LR_GRID,
     "orthogonal-param": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
     "muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
