@@ -53,7 +53,19 @@ PROFILES: dict[str, dict] = {
         eval_every=50,
         n_test=1000,
         warmup=50,
-        tuned={},
+        # the lr-sweep's choices (results/mqar/lr-sweep, 2 seeds on the validation set, 8 pairs)
+        tuned={
+            "adamw": {"lr": 3e-3},
+            "adamw-orthoinit": {"lr": 3e-3},
+            "adamw-qk-nodecay": {"lr": 3e-3},
+            "frozen": {"lr": 1e-2},
+            "qk-norm": {"lr": 1e-2},
+            "stiefel-adam": {"frame_lr": 3e-2},
+            "stiefel-adam-temp": {"frame_lr": 3e-2},
+            "stiefel-sgd": {"frame_lr": 0.1},
+            "orthogonal-param": {"frame_lr": 3e-3},
+            "muon": {"frame_lr": 1e-2},
+        },
         **_OPT,
     ),
     "paper": dict(
