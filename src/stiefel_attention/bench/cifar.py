@@ -201,7 +201,7 @@ FRAME_LR_GRID = {"stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1), "stiefel-sgd": (0.03,
 CONTROL_LR_GRID = {
     "adamw-qk-nodecay": (*LR_GRID, 8e-3),  # its best value sat on LR_GRID's upper edge
     "qk-norm": LR_GRID,
-    "orthogonal-param": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2),  # best sat on the 8e-3 edge
+    "orthogonal-param": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2),  # best sat on the upper edge twice
     "muon": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),  # best sat on the 5e-4 edge
     "stiefel-adam-temp": FRAME_LR_GRID["stiefel-adam"],
 }
