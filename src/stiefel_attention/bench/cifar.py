@@ -76,7 +76,16 @@ PROFILES: dict[str, dict] = {
         n_val=5000,
         lr=2e-3,
         frame_lr=1e-2,
-        tuned={"stiefel-sgd": {"frame_lr": 10.0}},
+        # the lr-sweep's choices (results/cifar/lr-sweep, 2 seeds on the validation split); adamw and
+        # stiefel-adam chose the profile's lr and frame_lr
+        tuned={
+            "stiefel-sgd": {"frame_lr": 10.0},
+            "adamw-qk-nodecay": {"lr": 4e-3},
+            "qk-norm": {"lr": 2e-3},
+            "orthogonal-param": {"frame_lr": 3.2e-2},
+            "muon": {"frame_lr": 5e-4},
+            "stiefel-adam-temp": {"frame_lr": 1e-2},
+        },
         weight_decay=0.05,
         max_step=0.1,
         warmup_epochs=1,
