@@ -340,13 +340,17 @@ def record_differences(old: dict, new: dict) -> list[str]:
         a, b = old.get(part, {}), new.get(part, {})
         for k in sorted(set(a) & set(b)):
             if a[k] != b[k]:
+                details = []
                 gap = _largest_relative_gap(a[k], b[k])
-                text = f"{part}.{k}" + (f" (relative {gap:.1e}" if gap is not None else "")
-                first = _first_difference(a[k], b[k]) if part == "curves" and gap is not None else None
-                if first is not None:
-                    where = f"{axis} {curves_a[axis][first]}" if axis and k != axis else f"point {first}"
-                    text += f"; first differs at {where} by {_largest_relative_gap(a[k][first], b[k][first]):.1e}"
-                diffs.append(text + (")" if gap is not None else ""))
+                if gap is not None:
+                    details.append(f"relative {gap:.1e}")
+                    first = _first_difference(a[k], b[k]) if part == "curves" else None
+                    if first is not None:
+                        where = f"{axis} {curves_a[axis][first]}" if axis and k != axis else f"point {first}"
+                        details.append(
+                            f"first differs at {where} by {_largest_relative_gap(a[k][first], b[k][first]):.1e}"
+                        )
+                diffs.append(f"{part}.{k}" + (f" ({'; '.join(details)})" if details else ""))
     return diffs
 
 
