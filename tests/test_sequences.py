@@ -136,15 +136,50 @@ def test_untuned_arms_are_not_planned_on_the_cpu_profile():
 
 
 def test_a_sweep_grid_extension_adds_values_past_the_edge_once():
-    base = training.sweep_points("cpu")
-    ext = training.sweep_points("cpu", {"frozen": (3e-2, 1e-2), "stiefel-sgd": (3e-2,)})
-    assert set(ext) - set(base) == {("frozen", "lr", 3e-2), ("stiefel-sgd", "frame_lr", 3e-2)}
+    base = training.sweep_points("cpu", anchor=3e-3)
+    ext = training.sweep_points("cpu", {"frozen": (3e-2, 1e-2), "stiefel-sgd": (3e-2,)}, anchor=3e-3)
+    assert [p for p in ext if p not in base] == [
+        ("frozen", {"lr": 3e-2}),
+        ("stiefel-sgd", {"lr": 3e-3, "frame_lr": 3e-2}),
+    ]
     assert len(ext) == len(base) + 2  # a value already on the grid is not planned twice
     assert training.sweep_points("smoke", {"frozen": (3e-2,)}) == training.sweep_points("smoke")
     with pytest.raises(ValueError, match="do not sweep"):
         training.sweep_points("cpu", {"nonsense": (1.0,)})
-    planned = {(c.config["arm"], c.config[arm_spec(c.config["arm"]).swept]) for c in mqar.cells("lr-sweep", "cpu", 1)}
-    assert {(arm, x) for arm, xs in mqar.SWEEP_EXTENSIONS["cpu"].items() for x in xs} <= planned
+
+
+@pytest.mark.parametrize("family", [lm, mqar])
+def test_the_sweep_plans_the_frame_arms_at_adamws_lr_once_it_is_chosen(family, monkeypatch):
+    lr_arms = {a for a in training.SEQUENCE_ARMS if arm_spec(a).swept == "lr"}
+    monkeypatch.setitem(family.PROFILES["cpu"], "tuned", {})
+    stage_one = family.cells("lr-sweep", "cpu", 1)
+    assert {c.config["arm"] for c in stage_one} == lr_arms
+    assert "adamw's lr" in family.FAMILY.plan_note("lr-sweep", "cpu")
+    ext = family.SWEEP_EXTENSIONS.get("cpu", {})
+    planned = {(c.config["arm"], c.config["lr"]) for c in stage_one}
+    assert {(a, x) for a, xs in ext.items() if a in lr_arms for x in xs} <= planned
+
+    monkeypatch.setitem(family.PROFILES["cpu"], "tuned", {"adamw": {"lr": 0.004}})
+    both = family.cells("lr-sweep", "cpu", 1)
+    assert family.FAMILY.plan_note("lr-sweep", "cpu") == ""
+    assert [c.key for c in both[: len(stage_one)]] == [c.key for c in stage_one]  # stage one is unchanged
+    frames = [c.config for c in both[len(stage_one) :]]
+    assert {c["arm"] for c in frames} == set(training.SEQUENCE_ARMS) - lr_arms
+    assert {c["lr"] for c in frames} == {0.004}  # every parameter but W_Q, W_K at adamw's choice
+    swept = {(c["arm"], c["frame_lr"]) for c in frames}
+    assert {(a, x) for a, grid in training.FRAME_LR_GRID.items() for x in grid} <= swept
+    assert {(a, x) for a, xs in ext.items() if a not in lr_arms for x in xs} <= swept
+
+
+def test_a_frame_arm_trains_its_other_parameters_at_adamws_chosen_lr(monkeypatch):
+    monkeypatch.setitem(mqar.PROFILES["cpu"], "tuned", {"stiefel-adam": {"frame_lr": 0.05}})
+    with pytest.raises(ValueError, match="no learning rate chosen for arm 'stiefel-adam'"):
+        mqar.make_config("cpu", "stiefel-adam", 0)  # adamw's lr is not chosen yet
+    tuned = {"adamw": {"lr": 0.004}, "frozen": {"lr": 0.02}, "stiefel-adam": {"frame_lr": 0.05}}
+    monkeypatch.setitem(mqar.PROFILES["cpu"], "tuned", tuned)
+    cfg = mqar.make_config("cpu", "stiefel-adam", 0)
+    assert (cfg["lr"], cfg["frame_lr"]) == (0.004, 0.05)
+    assert mqar.make_config("cpu", "frozen", 0)["lr"] == 0.02  # an lr arm keeps its own choice
 
 
 @pytest.mark.parametrize("family", ["lm", "mqar"])

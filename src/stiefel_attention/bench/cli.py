@@ -157,6 +157,8 @@ def _family_command(args: argparse.Namespace) -> int:
         + (f", running only {', '.join(chosen)}" if chosen else "")
         + f", records in {out / 'runs'}"
     )
+    if note := family.plan_note(args.experiment, args.profile):
+        print(f"note: {note}")
     options = {**run_options, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]

@@ -62,6 +62,10 @@ class Family:
         """A few words on the run options for the CLI's first line (e.g. the data source)."""
         return ""
 
+    def plan_note(self, experiment: str, profile: str) -> str:
+        """What the CLI adds about runs the experiment will plan later ("" when none), e.g. a sweep's stage."""
+        return ""
+
     # --- running ------------------------------------------------------------------------------
     def run(self, config: dict, progress=None, **options: Any) -> dict:
         """Train one cell; return its metrics, curves and timings (the runner adds config and provenance)."""

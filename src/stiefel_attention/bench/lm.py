@@ -7,8 +7,8 @@ from the trained model at a fixed seed. Pairing: the seed fixes the model init (
 model is built) and, through its own generator, the training windows, identically in every arm.
 
 Learning rates come from `lr-sweep`, scored on held-out training text (the last 10% of the training
-part, never the validation windows of the result): each arm sweeps the rate its `Arm.swept` names,
-the others at the profile's. Chosen rates are entered in PROFILES[...]["tuned"].
+part, never the validation windows of the result), in the two stages of `training.sweep_points`.
+Chosen rates are entered in PROFILES[...]["tuned"].
 """
 
 from __future__ import annotations
@@ -28,7 +28,16 @@ from .models import CharGPT
 from .records import Cell
 from .seq_report import write_lm_report
 from .text import fixed_windows, load_text, random_windows
-from .training import SEQUENCE_ARMS, Trainer, default_seeds, log_mechanism, sweep_points, tuned_rates
+from .training import (
+    SEQUENCE_ARMS,
+    Trainer,
+    anchor_lr,
+    default_seeds,
+    log_mechanism,
+    sweep_note,
+    sweep_points,
+    tuned_rates,
+)
 
 _NANOGPT = dict(lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1, sgd_frame_lr=1.0)
 PROFILES: dict[str, dict] = {
@@ -76,7 +85,9 @@ EXPERIMENTS = ("main", "lr-sweep", "scaling")
 DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
 # best value sat on that edge: results/lm/lr-sweep/summary.md flags such arms.
-SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {}
+SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
+    "cpu": {arm: (3e-2,) for arm in ("adamw", "adamw-orthoinit", "adamw-qk-nodecay", "frozen", "qk-norm")},
+}
 SAMPLE_CHARS = 300
 
 
@@ -127,8 +138,8 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
         return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
     if experiment == "lr-sweep":
         return [
-            _cell(make_config(profile, arm, s, "sweep", **{which: x}))
-            for arm, which, x in sweep_points(profile, SWEEP_EXTENSIONS.get(profile))
+            _cell(make_config(profile, arm, s, "sweep", **rates))
+            for arm, rates in sweep_points(profile, SWEEP_EXTENSIONS.get(profile), anchor_lr(PROFILES, profile))
             for s in S
         ]
     if experiment == "scaling":
@@ -261,6 +272,9 @@ class LMFamily(Family):
 
     def describe(self, run_options: dict) -> str:
         return f"text {run_options['data']}"
+
+    def plan_note(self, experiment: str, profile: str) -> str:
+        return sweep_note(self.name, PROFILES, profile) if experiment == "lr-sweep" else ""
 
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)

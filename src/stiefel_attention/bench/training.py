@@ -22,7 +22,9 @@ __all__ = [
     "hyperparameters",
     "log_mechanism",
     "SEQUENCE_ARMS",
+    "anchor_lr",
     "sweep_points",
+    "sweep_note",
     "tuned_rates",
     "default_seeds",
 ]
@@ -110,7 +112,7 @@ SEQUENCE_ARMS = (
     "muon",
     "stiefel-adam-temp",
 )
-# By the rate each arm sweeps (`Arm.swept`): every parameter's lr, or W_Q, W_K's frame_lr (others at the profile's).
+# By the rate each arm sweeps (`Arm.swept`): every parameter's lr, or W_Q, W_K's frame_lr.
 LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
 FRAME_LR_GRID = {
     "stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1),
@@ -121,11 +123,24 @@ FRAME_LR_GRID = {
 }
 
 
-def sweep_points(profile: str, extended: dict[str, tuple[float, ...]] | None = None) -> list[tuple[str, str, float]]:
-    """(arm, which rate, value) of a sequence testbed's sweep, the arms that sweep every rate first (the
-    frame arms' other rates sit at the profile's). extended: arm -> values a family's sweep adds past an
-    edge of the arm's grid (the protocol, when the best value sits on that edge). The smoke profile takes
-    two values per arm: it only has to run."""
+def anchor_lr(profiles: dict, profile: str) -> float | None:
+    """The lr of a frame arm's other parameters (everything but W_Q, W_K): adamw's swept choice, so that
+    frame arms differ from adamw in the query-key path only. The smoke profile's own lr; None until the
+    sweep's first stage has chosen adamw's."""
+    prof = profiles[profile]
+    if profile == "smoke":
+        return prof["lr"]
+    return prof["tuned"].get("adamw", {}).get("lr")
+
+
+def sweep_points(
+    profile: str, extended: dict[str, tuple[float, ...]] | None = None, anchor: float | None = None
+) -> list[tuple[str, dict[str, float]]]:
+    """(arm, rates) of a sequence testbed's sweep, in two stages. First the arms that sweep every
+    parameter's lr; then, once adamw's choice `anchor` is known (None: not yet planned), the frame arms'
+    frame_lr with their other parameters at lr=anchor. extended: arm -> values a family's sweep adds past
+    an edge of the arm's grid (the protocol, when the best value sits on that edge). The smoke profile
+    takes two values per arm: it only has to run."""
     extended = extended or {}
     unknown = set(extended) - set(SEQUENCE_ARMS)
     if unknown:
@@ -133,20 +148,35 @@ def sweep_points(profile: str, extended: dict[str, tuple[float, ...]] | None = N
     points = []
     for arm in sorted(SEQUENCE_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
         which = arm_spec(arm).swept
+        if which != "lr" and anchor is None:
+            continue
         grid = LR_GRID if which == "lr" else FRAME_LR_GRID[arm]
         if profile == "smoke":
             grid = grid[1:3]
         else:
             grid = tuple(grid) + tuple(x for x in extended.get(arm, ()) if x not in grid)
-        points += [(arm, which, x) for x in grid]
+        points += [(arm, {which: x} if which == "lr" else {"lr": anchor, which: x}) for x in grid]
     return points
 
 
+def sweep_note(family: str, profiles: dict, profile: str) -> str:
+    """What the CLI says about a sweep whose second stage is not planned yet ("" when it is)."""
+    if anchor_lr(profiles, profile) is not None:
+        return ""
+    return (
+        f"stage one of two: the frame arms' frame_lr is swept once adamw's lr is entered in "
+        f"{family}.PROFILES[{profile!r}]['tuned'] (their other parameters train at that lr); then run this again"
+    )
+
+
 def tuned_rates(family: str, profiles: dict, profile: str, arm: str, result_split: str, split: str) -> dict:
-    """The rates the profile's sweep chose for arm: {"lr": ...} and/or {"frame_lr": ...}; the profile's own
-    ones for the sweep itself and the smoke profile. An untuned arm of a result run is NotReady."""
+    """The rates the profile's sweep chose for arm: {"lr": ..., "frame_lr": ...}; a frame arm's lr is
+    adamw's choice (`anchor_lr`). The profile's own rates for the sweep itself and the smoke profile. An
+    untuned arm of a result run is NotReady."""
     tuned = profiles[profile]["tuned"].get(arm, {})
-    if not tuned and split == result_split and profile != "smoke":
+    frame_arm = arm_spec(arm).swept != "lr"
+    anchor = anchor_lr(profiles, profile)
+    if split == result_split and profile != "smoke" and (not tuned or (frame_arm and anchor is None)):
         raise NotReady(
             f"{family} profile {profile!r} has no learning rate chosen for arm {arm!r} yet: run "
             f"`stiefel-attention {family} --experiment lr-sweep --profile {profile}` and enter the best "
@@ -154,7 +184,8 @@ def tuned_rates(family: str, profiles: dict, profile: str, arm: str, result_spli
         )
     prof = profiles[profile]
     frame_lr = prof["sgd_frame_lr"] if arm == "stiefel-sgd" else prof["frame_lr"]
-    return {"lr": tuned.get("lr", prof["lr"]), "frame_lr": tuned.get("frame_lr", frame_lr)}
+    lr = anchor if frame_arm and anchor is not None else prof["lr"]
+    return {"lr": tuned.get("lr", lr), "frame_lr": tuned.get("frame_lr", frame_lr)}
 
 
 def default_seeds(defaults: dict[str, int], experiment: str, profile: str) -> int:
