@@ -71,6 +71,17 @@ def test_verdict_an_insensitive_testbed_cannot_rank(tmp_path):
     assert "cannot rank Q/K optimizers" in text and "no significant difference from adamw, frozen" in text
 
 
+def test_verdict_explains_no_mechanism_where_the_stiefel_arm_has_no_lead_over_adamw(tmp_path):
+    # CIFAR-like: the decay exemption ties the Stiefel arm, which ties adamw and is ahead of a weaker arm
+    arms = {"adamw": 0.0, "frozen": 0.0, "stiefel-adam": 0.0, "adamw-qk-nodecay": 0.0, "orthogonal-param": 0.0}
+    recs = _controls({**arms, "muon": -2.0})
+    _write(tmp_path, "cifar", controls=controls_summary(recs, ACC))
+    text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR", "controls", "decay")]))
+    assert "stiefel-adam is ahead of muon" in text
+    assert "mechanism: no lead over adamw to explain" in text
+    assert "suffices to explain" not in text and "what carries its lead" not in text
+
+
 def test_verdict_names_the_constraint_when_the_decay_exemption_does_not_reproduce_the_gain(tmp_path):
     # grokking-like: lower is better; frozen and adamw-qk-nodecay never grok, the parametrized constraint does
     recs = _controls(

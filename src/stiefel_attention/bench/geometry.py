@@ -413,7 +413,10 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
         if names:
             parts.append(f"{words} {', '.join(names)}")
     by = {c["baseline"]: c for c in testable}
-    if "adamw-qk-nodecay" in by and "orthogonal-param" in by:
+    lead = "adamw" in by and by["adamw"]["baseline"] in ahead  # the gain the controls are there to explain
+    if not lead and ("adamw-qk-nodecay" in by or "orthogonal-param" in by):
+        parts.append("mechanism: no lead over adamw to explain")
+    elif "adamw-qk-nodecay" in by and "orthogonal-param" in by:
         nodecay, param = by["adamw-qk-nodecay"], by["orthogonal-param"]
         if significant(nodecay) and better(nodecay) and not significant(param):
             parts.append(
@@ -426,7 +429,7 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
                 "mechanism: exempting W_Q, W_K from decay matches the Stiefel arm, so the decay "
                 "exemption suffices to explain it"
             )
-    if "frozen" in by and not significant(by["frozen"]) and ahead:
+    if "frozen" in by and not significant(by["frozen"]) and lead:
         parts.append(
             "frozen random frames do as well as the Stiefel arm, so what carries its lead is that W_Q, W_K stay "
             "orthonormal, not how they are learned"
