@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from stiefel_attention.bench.geometry import Measure, controls_summary, decay_summary, geometry_section, significant
+from stiefel_attention.bench.geometry import (
+    Measure,
+    controls_markdown,
+    controls_summary,
+    decay_summary,
+    geometry_section,
+    significant,
+)
 
 ACC = Measure("accuracy", "pp", lambda r: r["metrics"]["acc"], higher_is_better=True)
 EPOCHS = Measure("epochs to grok", "epochs", lambda r: r["metrics"]["acc"], higher_is_better=False)
@@ -43,6 +50,12 @@ def test_controls_summary_pairs_every_comparison():
         and s["mechanism"]["adamw"]["x"] == [1, 2]
         and s["mechanism"]["adamw"]["n_seeds"] == 6
     )
+    assert "predate" not in "\n".join(controls_markdown(s))
+    for rec in recs:
+        if rec["config"]["arm"] == "frozen":
+            del rec["curves"]["mechanism"]  # a record made before the metrics existed
+    md = "\n".join(controls_markdown(controls_summary(recs, ACC)))
+    assert "| frozen (" not in md and "No mechanism metrics in the records of frozen: they predate" in md
 
 
 def test_decay_summary_gives_one_lead_per_weight_decay():

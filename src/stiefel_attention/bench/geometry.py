@@ -230,6 +230,9 @@ def controls_markdown(summary: dict, digits: int = 2) -> list[str]:
                 f"| {arm} ({c['n_seeds']} seeds) | " + " | ".join(_fmt(c[k][-1], 3) for k in PLOTTED_METRICS) + " |"
             )
         lines.append("")
+    missing = [a for a in sorted(summary["arms"], key=_arm_order) if a not in summary["mechanism"]]
+    if missing:
+        lines += [f"No mechanism metrics in the records of {', '.join(missing)}: they predate the metrics.", ""]
     return lines
 
 
