@@ -192,6 +192,9 @@ def test_cli_smoke_main_writes_records_and_a_summary(family, corpus_file, tmp_pa
     roles = {c["role"] for c in summary["controls"]["comparisons"]}
     assert roles == {"sensitivity", "stiefel-adam vs arm", "control vs adamw"}
     assert (tmp_path / "main" / "mechanism.png").exists()
+    if family == "mqar":  # the task's size is stated, from the records
+        assert summary["task"] == [dict(n_pairs=4, n_queries=4, vocab=32, seq_len=16, steps=60, batch=32)]
+        assert "Task: 4 key-value pairs, 4 queries, vocabulary 32" in (tmp_path / "main" / "summary.md").read_text()
 
 
 def test_cli_arms_runs_a_subset_and_the_summary_keeps_every_finished_run(tmp_path, capsys):

@@ -162,9 +162,18 @@ def _difficulty(records: list[dict]) -> list[dict]:
     return rows
 
 
+_CPU_LEVEL = (
+    " The number of pairs is where frozen random Q/K fell behind adamw in a pilot of `difficulty` (2 seeds: both"
+    " solve 8 pairs, only adamw 16; results-pilot/mqar)."
+)
+_TASK = ("n_pairs", "n_queries", "vocab", "seq_len", "steps", "batch")
+
+
 def mqar_summary(experiment: str, records: list[dict]) -> dict:
     summary: dict = {"experiment": experiment, "n_records": len(records)}
     if experiment == "main":
+        tasks = {tuple(r["config"][k] for k in _TASK) for r in records}
+        summary["task"] = [dict(zip(_TASK, t)) for t in sorted(tasks)]
         summary["controls"] = controls_summary(records, STEPS_TO_SOLVE)
         summary["final_acc"] = {
             a: describe([100 * r["metrics"]["final_eval_acc"] for r in records if r["config"]["arm"] == a])
@@ -192,6 +201,13 @@ def mqar_markdown(summary: dict, profile: str) -> str:
         "Accuracy at query positions on a fixed, seeded test set (the sweep: a separate validation "
         "set); steps to 99% are censored at the budget + 1.",
     )
+    for t in summary.get("task", []):
+        lines += [
+            f"Task: {t['n_pairs']} key-value pairs, {t['n_queries']} queries, vocabulary {t['vocab']}, sequences "
+            f"of {t['seq_len']}; {t['steps']} steps of {t['batch']} fresh sequences."
+            + (_CPU_LEVEL if profile == "cpu" else ""),
+            "",
+        ]
     if "controls" in summary:
         lines += controls_markdown(summary["controls"], digits=0)
         lines += ["| arm | final test accuracy (%) mean | std |", "|---|---|---|"]
