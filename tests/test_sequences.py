@@ -173,7 +173,7 @@ def test_the_sweep_plans_the_frame_arms_at_adamws_lr_once_it_is_chosen(family, m
 
 def test_a_frame_arm_trains_its_other_parameters_at_adamws_chosen_lr(monkeypatch):
     monkeypatch.setitem(mqar.PROFILES["cpu"], "tuned", {"stiefel-adam": {"frame_lr": 0.05}})
-    with pytest.raises(ValueError, match="no learning rate chosen for arm 'stiefel-adam'"):
+    with pytest.raises(ValueError, match="no learning rate chosen for adamw, whose lr the frame arm 'stiefel-adam'"):
         mqar.make_config("cpu", "stiefel-adam", 0)  # adamw's lr is not chosen yet
     tuned = {"adamw": {"lr": 0.004}, "frozen": {"lr": 0.02}, "stiefel-adam": {"frame_lr": 0.05}}
     monkeypatch.setitem(mqar.PROFILES["cpu"], "tuned", tuned)

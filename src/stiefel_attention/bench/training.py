@@ -177,8 +177,9 @@ def tuned_rates(family: str, profiles: dict, profile: str, arm: str, result_spli
     frame_arm = arm_spec(arm).swept != "lr"
     anchor = anchor_lr(profiles, profile)
     if split == result_split and profile != "smoke" and (not tuned or (frame_arm and anchor is None)):
+        missing = f"adamw, whose lr the frame arm {arm!r} trains its other parameters at," if tuned else f"arm {arm!r}"
         raise NotReady(
-            f"{family} profile {profile!r} has no learning rate chosen for arm {arm!r} yet: run "
+            f"{family} profile {profile!r} has no learning rate chosen for {missing} yet: run "
             f"`stiefel-attention {family} --experiment lr-sweep --profile {profile}` and enter the best "
             f"rates in {family}.PROFILES[{profile!r}]['tuned']"
         )
