@@ -63,7 +63,15 @@ PROFILES: dict[str, dict] = {
         eval_every=50,
         n_test=1000,
         warmup=50,
-        tuned={},
+        # the lr-sweep's choices (results/mqar/lr-sweep, 2 seeds on the validation set); the frame arms' other
+        # parameters train at adamw's lr (training.anchor_lr)
+        tuned={
+            "adamw": {"lr": 3e-3},
+            "adamw-orthoinit": {"lr": 3e-3},
+            "adamw-qk-nodecay": {"lr": 3e-3},
+            "frozen": {"lr": 3e-3},
+            "qk-norm": {"lr": 3e-3},
+        },
         **_OPT,
     ),
     "paper": dict(
