@@ -521,3 +521,22 @@ def test_cifar_download_without_network_says_what_to_do(tmp_path, monkeypatch, c
     assert cli.main(["cifar", "--experiment", "main", "--profile", "smoke", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "no network" in err and "--data" in err and "Traceback" not in err
+
+
+def test_every_committed_record_is_still_part_of_an_experiment():
+    """A change that re-keys a cell (its resolved config) would orphan its committed record and run it again;
+    records of a superseded protocol belong in results-pilot/, not results/."""
+    from stiefel_attention.bench.report import load_records
+
+    committed = Path(__file__).resolve().parents[1] / "results"
+    checked = 0
+    for fam in family_module.all_families():
+        runs = committed / fam.name / "runs"
+        if not runs.is_dir():
+            continue
+        by_key = {r["key"]: r for r in load_records(runs, fam.name)}
+        reported = {r["key"] for e in fam.experiments for r in fam.experiment_records(e, "cpu", by_key)}
+        assert [r["name"] for k, r in by_key.items() if k not in reported] == [], fam.name
+        checked += len(by_key)
+    if committed.is_dir():
+        assert checked > 0
