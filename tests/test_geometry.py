@@ -114,7 +114,7 @@ def test_verdict_names_the_constraint_when_the_decay_exemption_does_not_reproduc
     assert "learning Q/K matters here" in text
     assert "stiefel-adam is ahead of adamw, frozen, adamw-qk-nodecay" in text
     assert "no significant difference from orthogonal-param" in text
-    assert "the constraint carries it, not the decay exemption" in text
+    assert "the constraint suffices for it without the Riemannian Adam, and the decay exemption does not" in text
     assert "frozen random frames do as well" not in text  # frozen never groks here
     assert "does not grow monotonically" in text  # the same lead at both decays
     assert (tmp_path / "geometry_decay.png").exists()
@@ -141,3 +141,36 @@ def test_too_few_seeds_are_said_and_never_called_a_tie(tmp_path):
 def test_significance_is_a_ci_that_excludes_zero():
     assert significant({"ci95": [0.1, 0.3]}) and significant({"ci95": [-0.3, -0.1]})
     assert not significant({"ci95": [-0.1, 0.3]}) and not significant({"ci95": [float("nan")] * 2})
+
+
+def _with_logit(recs: list[dict], final: dict[str, float]) -> list[dict]:
+    """Set each arm's largest attention logit at the last evaluation; an arm not in final loses its metrics."""
+    for rec in recs:
+        arm = rec["config"]["arm"]
+        if arm in final:
+            mech = rec["curves"]["mechanism"]
+            mech["max_logit"] = [mech["max_logit"][0], [[final[arm]] * 3]]
+        else:
+            del rec["curves"]["mechanism"]
+    return recs
+
+
+def test_verdict_says_orthonormality_is_not_necessary_and_which_logits_separate_the_arms(tmp_path):
+    # the grokking pattern with muon: frozen frames and muon (not orthonormal) grok like the Stiefel arm
+    offsets = {"adamw": 20000, "frozen": 6000, "stiefel-adam": 6000, "adamw-qk-nodecay": 20000, "muon": 6000}
+    recs = _with_logit(_controls(offsets), {"frozen": 1.3, "muon": 1.8, "adamw-qk-nodecay": 33.6})
+    _write(tmp_path, "grok", controls=controls_summary(recs, EPOCHS))
+    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
+    assert "how W_Q, W_K are learned does not carry its lead" in text and "that they stay orthonormal" not in text
+    assert "muon, whose W_Q, W_K are not held orthonormal, does as well too" in text
+    assert "keeps its largest attention logit at or below 1.8 at the end, every arm behind reaches 33.6" in text
+
+    # without a tying free arm, orthonormality is what is left; overlapping logits earn no clause
+    del offsets["muon"]
+    recs = _with_logit(_controls(offsets), {"frozen": 40.0, "adamw-qk-nodecay": 33.6})
+    (tmp_path / "grok" / "controls" / "summary.json").unlink()
+    (tmp_path / "grok" / "controls").rmdir()
+    _write(tmp_path, "grok", controls=controls_summary(recs, EPOCHS))
+    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
+    assert "; that they stay orthonormal does" in text and "not held orthonormal" not in text
+    assert "largest attention logit" not in text

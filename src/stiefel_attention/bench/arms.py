@@ -58,6 +58,11 @@ class Arm:
     def qk(self) -> str:
         return self.attention["qk"]
 
+    @property
+    def orthonormal_qk(self) -> bool:
+        """W_Q, W_K stay orthonormal frames throughout training (on St(d, r), frozen, or parametrized)."""
+        return self.qk in ("stiefel", "frozen", "parametrized")
+
 
 def _adamw(model: nn.Module, hp: HyperParameters, no_decay=()) -> Optimizer:
     """AdamW on every trainable parameter (StiefelAdam with no frame group is exactly torch's AdamW)."""

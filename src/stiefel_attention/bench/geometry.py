@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from .arms import arm_spec
 from .fmt import fmt_ci, fmt_p, save_figure, undefined
 from .stats import describe, paired_comparison
 
@@ -380,12 +381,14 @@ def _testbed_row(where: str, title: str, controls: dict | None, decay: dict | No
         )
         or "not run"
     )
-    return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt, _verdict(sens, vs, leads, m, digits))
+    mech = (controls or {}).get("mechanism", {})
+    return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt, _verdict(sens, vs, leads, m, digits, mech))
 
 
-def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digits: int) -> str:
+def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digits: int, mech: dict) -> str:
     """A sentence computed from the numbers: can the testbed rank Q/K optimizers, whom does the Stiefel
-    arm beat, tie or trail, what the controls say about the mechanism, and how the lead moves with decay."""
+    arm beat, tie or trail, what the controls and the mechanism metrics say about why, and how the lead
+    moves with decay."""
     unit = m["unit"]
     better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
     if sens is None:
@@ -424,19 +427,27 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
         if significant(nodecay) and better(nodecay) and not significant(param):
             parts.append(
                 "mechanism: exempting W_Q, W_K from decay does not reproduce the gain, the constraint "
-                "by parametrization does, so the constraint carries it, not the decay exemption nor "
-                "the Riemannian Adam"
+                "by parametrization does, so the constraint suffices for it without the Riemannian Adam, "
+                "and the decay exemption does not"
             )
         elif not significant(nodecay):
             parts.append(
                 "mechanism: exempting W_Q, W_K from decay matches the Stiefel arm, so the decay "
                 "exemption suffices to explain it"
             )
-    if "frozen" in by and not significant(by["frozen"]) and lead:
-        parts.append(
-            "frozen random frames do as well as the Stiefel arm, so what carries its lead is that W_Q, W_K stay "
-            "orthonormal, not how they are learned"
-        )
+    if lead:
+        free = [a for a in tied if not arm_spec(a).orthonormal_qk]
+        if "frozen" in tied:
+            parts.append(
+                "frozen random frames do as well as the Stiefel arm, so how W_Q, W_K are learned does not carry "
+                "its lead" + ("" if free else "; that they stay orthonormal does")
+            )
+        if free:
+            parts.append(
+                f"{', '.join(free)}, whose W_Q, W_K are not held orthonormal, "
+                f"{'does' if len(free) == 1 else 'do'} as well too, so orthonormality is not necessary for it"
+            )
+        parts += _logit_separation(["stiefel-adam", *tied], ahead, mech)
     if len(leads) >= 2:
         ordered = sorted(leads, key=lambda lead: lead["weight_decay"])
         grows = all(
@@ -446,6 +457,24 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
         )
         parts.append("the lead grows with weight decay" if grows else "the lead does not grow monotonically with decay")
     return "; ".join(parts)
+
+
+def _logit_separation(level: list[str], behind: list[str], mech: dict) -> list[str]:
+    """A clause when the largest attention logit at the last evaluation (mean over seeds) separates the arms
+    that do as well as the Stiefel arm from those behind it; arms whose records lack the metric are left out."""
+
+    def final(arm):
+        curve = mech.get(arm, {}).get("max_logit") or [None]
+        return curve[-1]
+
+    ok = [x for x in map(final, level) if x is not None]
+    bad = [x for x in map(final, behind) if x is not None]
+    if not ok or not bad or max(ok) >= min(bad):
+        return []
+    return [
+        f"mechanism metrics: every arm that does as well keeps its largest attention logit at or below "
+        f"{max(ok):.1f} at the end, every arm behind reaches {min(bad):.1f} or more"
+    ]
 
 
 def _geometry_plot(results_dir: Path, panels: list[tuple[str, dict]]) -> None:
