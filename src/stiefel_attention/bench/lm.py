@@ -63,7 +63,14 @@ PROFILES: dict[str, dict] = {
         eval_every=200,
         n_eval=256,
         warmup=50,
-        tuned={},
+        # the lr-sweep's choices (results/lm/lr-sweep, 2 seeds, scored on held-out training text); the frame
+        # arms' other parameters train at adamw's lr (training.anchor_lr)
+        tuned={
+            "adamw": {"lr": 1e-2},
+            "adamw-orthoinit": {"lr": 1e-2},
+            "adamw-qk-nodecay": {"lr": 1e-2},
+            "qk-norm": {"lr": 1e-2},
+        },
         **_NANOGPT,
     ),
     # nanoGPT's shakespeare_char size (6 layers, 384 wide, 6 heads, context 256), for a GPU; no dropout here
@@ -86,7 +93,10 @@ DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
 # best value sat on that edge: results/lm/lr-sweep/summary.md flags such arms.
 SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
-    "cpu": {arm: (3e-2,) for arm in ("adamw", "adamw-orthoinit", "adamw-qk-nodecay", "frozen", "qk-norm")},
+    "cpu": {
+        **{arm: (3e-2,) for arm in ("adamw", "adamw-orthoinit", "adamw-qk-nodecay", "qk-norm")},
+        "frozen": (3e-2, 1e-1),
+    },
 }
 SAMPLE_CHARS = 300
 
