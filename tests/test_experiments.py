@@ -382,7 +382,9 @@ def test_report_rebuilds_summaries_from_records_alone(fake_cifar, tmp_path, caps
     assert "24-40x" in report and "cifar/movement" in report
     assert "(cifar/movement/movement_ratio.png)" in report  # the plot is linked beside the claim
     assert "Not yet run" in report and "grok/study" in report
-    assert "[`REPORT.md`](REPORT.md)" in (tmp_path / "README.md").read_text()
+    readme = (tmp_path / "README.md").read_text()
+    assert "[`REPORT.md`](REPORT.md)" in readme and "Run records (`cifar/runs`:" in readme
+    assert "One verdict per testbed (the section of REPORT.md):\n\n- CIFAR-10 patches (PatchViT): " in readme
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
 
 

@@ -13,6 +13,7 @@ from stiefel_attention.bench.geometry import (
     decay_summary,
     geometry_section,
     significant,
+    verdicts_by_testbed,
 )
 
 ACC = Measure("accuracy", "pp", lambda r: r["metrics"]["acc"], higher_is_better=True)
@@ -82,6 +83,8 @@ def test_verdict_an_insensitive_testbed_cannot_rank(tmp_path):
     _write(tmp_path, "cifar", controls=controls_summary(recs, ACC))
     text = "\n".join(geometry_section(tmp_path, [("cifar", "CIFAR", "controls", "decay")]))
     assert "cannot rank Q/K optimizers" in text and "no significant difference from adamw, frozen" in text
+    ((title, verdict),) = verdicts_by_testbed(tmp_path, [("cifar", "CIFAR", "controls", "decay")])
+    assert title == "CIFAR" and verdict.startswith("cannot rank Q/K optimizers") and verdict in text
 
 
 def test_verdict_explains_no_mechanism_where_the_stiefel_arm_has_no_lead_over_adamw(tmp_path):

@@ -269,7 +269,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from .report import rebuild_all
 
     if not Path(args.dir).is_dir():
-        raise UserError(f"{args.dir} is not a folder (expected a results folder with cifar/runs or grok/runs)")
+        raise UserError(
+            f"{args.dir} is not a folder (expected a results folder with <family>/runs inside, e.g. results)"
+        )
     for path in rebuild_all(args.dir):
         print(f"wrote {path}")
     return 0

@@ -27,7 +27,15 @@ from .arms import arm_spec
 from .fmt import fmt_ci, fmt_p, save_figure, undefined
 from .stats import describe, paired_comparison
 
-__all__ = ["Measure", "controls_summary", "decay_summary", "mechanism_curves", "geometry_section", "GEOMETRY_ARMS"]
+__all__ = [
+    "Measure",
+    "controls_summary",
+    "decay_summary",
+    "mechanism_curves",
+    "geometry_section",
+    "verdicts_by_testbed",
+    "GEOMETRY_ARMS",
+]
 
 SENSITIVITY = ("adamw", "frozen")  # trained against frozen Q/K
 # Arms compared with stiefel-adam in every testbed, in the order the report lists them.
@@ -331,15 +339,9 @@ def geometry_section(results_dir: Path, testbeds: list[tuple[str, str, str | Non
 
     testbeds: (family folder, testbed title, its controls experiment, its decay experiment or None), in order.
     """
-    rows, panels = [], []
-    for family, title, controls_exp, decay_exp in testbeds:
-        controls = (_load(results_dir / family / str(controls_exp) / "summary.json") or {}).get("controls")
-        decay = (_load(results_dir / family / str(decay_exp) / "summary.json") or {}).get("decay")
-        if controls is None and decay is None:
-            continue
-        rows.append(_testbed_row(f"{family}/{controls_exp}", title, controls, decay))
-        if decay and decay.get("leads"):
-            panels.append((title, decay))
+    found = _testbeds(results_dir, testbeds)
+    rows = [row for _, row, _ in found]
+    panels = [(title, decay) for title, _, decay in found if decay and decay.get("leads")]
     if not rows:
         return []
     lines = [
@@ -358,6 +360,22 @@ def geometry_section(results_dir: Path, testbeds: list[tuple[str, str, str | Non
         _geometry_plot(results_dir, panels)
         lines += ["", "![lead against weight decay](geometry_decay.png)"]
     return lines + [""]
+
+
+def verdicts_by_testbed(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[tuple]:
+    """(testbed title, verdict sentence) per testbed with results, as in geometry_section."""
+    return [(title, row[-1]) for title, row, _ in _testbeds(results_dir, testbeds)]
+
+
+def _testbeds(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[tuple]:
+    """(title, table row, decay summary or None) per testbed with a controls or decay summary."""
+    found = []
+    for family, title, controls_exp, decay_exp in testbeds:
+        controls = (_load(results_dir / family / str(controls_exp) / "summary.json") or {}).get("controls")
+        decay = (_load(results_dir / family / str(decay_exp) / "summary.json") or {}).get("decay")
+        if controls is not None or decay is not None:
+            found.append((title, _testbed_row(f"{family}/{controls_exp}", title, controls, decay), decay))
+    return found
 
 
 DIGITS = {"epochs": 0, "steps": 0, "nats/char": 3}  # decimals per unit; 2 otherwise

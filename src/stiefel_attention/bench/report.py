@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .family import all_families, get_family
 from .fmt import fmt_ci, fmt_p, fmt_t
-from .geometry import geometry_section
+from .geometry import geometry_section, verdicts_by_testbed
 from .records import read_record, write_json_atomic
 
 __all__ = [
@@ -166,10 +166,11 @@ def write_claims_report(results_dir: str | Path) -> list[Path]:
     lines += ["", *geometry] if geometry else []
     report = results_dir / "REPORT.md"
     report.write_text("\n".join(lines) + "\n")
+    runs = ", ".join(f"`{f.name}/runs`" for f in all_families() if (results_dir / f.name / "runs").is_dir())
     glance = [
         "# Results",
         "",
-        f"Run records (`cifar/runs`, `grok/runs`: one JSON per finished run, with its resolved config and "
+        f"Run records ({runs or 'none yet'}: one JSON per finished run, with its resolved config and "
         f"code version), per-experiment `summary.json`/`summary.md`/plots, and [`REPORT.md`](REPORT.md): "
         f"every claim of the paper beside what we measured, with confidence intervals and plots. All of it is "
         f"rebuilt from the records by `{cmd}`.",
@@ -178,6 +179,10 @@ def write_claims_report(results_dir: str | Path) -> list[Path]:
         "",
     ]
     glance += [f"- {claim} — **{verdict_}**" for _, _, claim, _, verdict_, _ in rows if verdict_ != "—"]
+    verdicts = verdicts_by_testbed(results_dir, testbeds)
+    if verdicts:
+        glance += ["", "When does the geometry dominate? One verdict per testbed (the section of REPORT.md):", ""]
+        glance += [f"- {title}: {verdict_}" for title, verdict_ in verdicts]
     glance += ["", finish]
     readme = results_dir / "README.md"
     readme.write_text("\n".join(glance) + "\n")
