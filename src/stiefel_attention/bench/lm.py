@@ -70,6 +70,8 @@ PROFILES: dict[str, dict] = {
             "adamw-orthoinit": {"lr": 1e-2},
             "adamw-qk-nodecay": {"lr": 1e-2},
             "qk-norm": {"lr": 1e-2},
+            "frozen": {"lr": 3e-2},
+            "stiefel-sgd": {"frame_lr": 3.0},
         },
         **_NANOGPT,
     ),
@@ -96,6 +98,8 @@ SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
     "cpu": {
         **{arm: (3e-2,) for arm in ("adamw", "adamw-orthoinit", "adamw-qk-nodecay", "qk-norm")},
         "frozen": (3e-2, 1e-1),
+        **{arm: (3e-2,) for arm in ("muon", "orthogonal-param")},
+        **{arm: (0.3,) for arm in ("stiefel-adam", "stiefel-adam-temp")},
     },
 }
 SAMPLE_CHARS = 300
