@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -209,3 +210,6 @@ def test_cli_arms_runs_a_subset_and_the_summary_keeps_every_finished_run(tmp_pat
     assert cli.main([*args, "--arms", "stiefel-adam"]) == 0
     summary = json.loads((tmp_path / "main" / "summary.json").read_text())
     assert summary["n_records"] == 3 and summary["n_planned"] == 10  # the earlier runs stay in the summary
+    md = (tmp_path / "main" / "summary.md").read_text()
+    assert "| frozen (1 seed) |" in md and re.search(r"\| frozen \| \d+\.\d\d \| n/a \|", md)
+    assert "1 seeds" not in md and "nan" not in md  # one seed: no spread, said as such

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import claims
 from .arms import arm_spec
-from .fmt import fmt_ci, fmt_p, fmt_t, save_figure
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_t, save_figure
 from .geometry import (
     Measure,
     controls_markdown,
@@ -236,10 +236,10 @@ def summary_markdown(summary: dict, profile: str) -> str:
         lines += ["| arm | n seeds | mean acc (%) | std |", "|---|---|---|---|"]
         for arm, d in summary["arms"].items():
             if "mean" in d:
-                lines.append(f"| {arm} | {d['n']} | {d['mean']:.2f} | {d['std']:.2f} |")
+                lines.append(f"| {arm} | {d['n']} | {d['mean']:.2f} | {fmt_num(d['std'], 2)} |")
             else:  # scaling: per n
                 for a, dd in d.items():
-                    lines.append(f"| {a} (n={arm}) | {dd['n']} | {dd['mean']:.2f} | {dd['std']:.2f} |")
+                    lines.append(f"| {a} (n={arm}) | {dd['n']} | {dd['mean']:.2f} | {fmt_num(dd['std'], 2)} |")
         lines.append("")
     if summary.get("comparisons"):
         lines += _md_comparisons(summary) + [""]

@@ -21,6 +21,15 @@ def fmt_ci(ci: list[float], digits: int = 2) -> str:
     return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
 
 
+def fmt_num(x, digits: int) -> str:
+    """x to `digits` decimals, or n/a where it is undefined (a spread over one seed, a missing metric)."""
+    return "n/a" if undefined(x) else f"{x:.{digits}f}"
+
+
+def fmt_seeds(n: int) -> str:
+    return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
 def fmt_p(p: float) -> str:
     return "n/a" if p is None or math.isnan(p) else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
 

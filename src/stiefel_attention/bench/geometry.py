@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .arms import arm_spec
-from .fmt import fmt_ci, fmt_p, save_figure, undefined
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure, undefined
 from .stats import describe, paired_comparison
 
 __all__ = [
@@ -194,7 +194,7 @@ def significant(st: dict) -> bool:
 
 def fmt_diff(st: dict, unit: str, digits: int = 2) -> str:
     both = " (both tests)" if st.get("supported") else f", p_W={fmt_p(st['p_wilcoxon'])}"
-    return f"{st['mean_diff']:+.{digits}f} {unit} {fmt_ci(st['ci95'], digits)}, {st['n_seeds']} seeds{both}"
+    return f"{st['mean_diff']:+.{digits}f} {unit} {fmt_ci(st['ci95'], digits)}, {fmt_seeds(st['n_seeds'])}{both}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def controls_markdown(summary: dict, digits: int = 2) -> list[str]:
     ]
     for arm in sorted(summary["arms"], key=_arm_order):
         d = summary["arms"][arm]
-        lines.append(f"| {arm} | {d['n']} | {d['mean']:.{digits}f} | {_fmt(d['std'], digits)} |")
+        lines.append(f"| {arm} | {d['n']} | {d['mean']:.{digits}f} | {fmt_num(d['std'], digits)} |")
     lines += [
         "",
         "| comparison | role | mean diff | 95% CI | p (t) | p (Wilcoxon) | wins |",
@@ -236,7 +236,9 @@ def controls_markdown(summary: dict, digits: int = 2) -> list[str]:
         for arm in sorted(summary["mechanism"], key=_arm_order):
             c = summary["mechanism"][arm]
             lines.append(
-                f"| {arm} ({c['n_seeds']} seeds) | " + " | ".join(_fmt(c[k][-1], 3) for k in PLOTTED_METRICS) + " |"
+                f"| {arm} ({fmt_seeds(c['n_seeds'])}) | "
+                + " | ".join(fmt_num(c[k][-1], 3) for k in PLOTTED_METRICS)
+                + " |"
             )
         lines.append("")
     missing = [a for a in sorted(summary["arms"], key=_arm_order) if a not in summary["mechanism"]]
@@ -262,10 +264,6 @@ def decay_markdown(summary: dict, digits: int = 2) -> list[str]:
             f"{lead['n_seeds']} |"
         )
     return lines + [""]
-
-
-def _fmt(x, digits: int) -> str:
-    return "n/a" if undefined(x) else f"{x:.{digits}f}"
 
 
 def mechanism_plot(summary: dict, out_dir: Path, made: list[str], log_x: bool = False) -> None:

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .arms import arm_spec
-from .fmt import fmt_ci
+from .fmt import fmt_ci, fmt_num, fmt_seeds
 from .geometry import (
     Measure,
     controls_markdown,
@@ -211,7 +211,7 @@ def mqar_markdown(summary: dict, profile: str) -> str:
     if "controls" in summary:
         lines += controls_markdown(summary["controls"], digits=0)
         lines += ["| arm | final test accuracy (%) mean | std |", "|---|---|---|"]
-        lines += [f"| {a} | {d['mean']:.2f} | {d['std']:.2f} |" for a, d in summary["final_acc"].items()] + [""]
+        lines += [f"| {a} | {d['mean']:.2f} | {fmt_num(d['std'], 2)} |" for a, d in summary["final_acc"].items()] + [""]
     if "sweep" in summary:
         lines += sweep_markdown(summary["sweep"], digits=1)
     if "difficulty" in summary:
@@ -230,7 +230,8 @@ def mqar_markdown(summary: dict, profile: str) -> str:
             if sens:
                 c = sens[0]
                 lines.append(
-                    f"- {pairs} pairs: {c['mean_diff']:+.0f} steps, 95% CI {fmt_ci(c['ci95'], 0)}, {c['n_seeds']} seeds"
+                    f"- {pairs} pairs: {c['mean_diff']:+.0f} steps, 95% CI {fmt_ci(c['ci95'], 0)}, "
+                    f"{fmt_seeds(c['n_seeds'])}"
                 )
         lines.append("")
     lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
