@@ -72,6 +72,8 @@ PROFILES: dict[str, dict] = {
             "qk-norm": {"lr": 1e-2},
             "frozen": {"lr": 3e-2},
             "stiefel-sgd": {"frame_lr": 3.0},
+            "stiefel-adam": {"frame_lr": 0.1},
+            "orthogonal-param": {"frame_lr": 1e-2},
         },
         **_NANOGPT,
     ),
@@ -98,8 +100,10 @@ SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
     "cpu": {
         **{arm: (3e-2,) for arm in ("adamw", "adamw-orthoinit", "adamw-qk-nodecay", "qk-norm")},
         "frozen": (3e-2, 1e-1),
-        **{arm: (3e-2,) for arm in ("muon", "orthogonal-param")},
-        **{arm: (0.3,) for arm in ("stiefel-adam", "stiefel-adam-temp")},
+        "muon": (3e-2, 1e-1),
+        "orthogonal-param": (3e-2,),
+        "stiefel-adam": (0.3,),
+        "stiefel-adam-temp": (0.3, 1.0),
     },
 }
 SAMPLE_CHARS = 300
