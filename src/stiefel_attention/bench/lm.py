@@ -74,6 +74,8 @@ PROFILES: dict[str, dict] = {
             "stiefel-sgd": {"frame_lr": 3.0},
             "stiefel-adam": {"frame_lr": 0.1},
             "orthogonal-param": {"frame_lr": 1e-2},
+            "muon": {"frame_lr": 3e-2},
+            "stiefel-adam-temp": {"frame_lr": 0.3},
         },
         **_NANOGPT,
     ),
