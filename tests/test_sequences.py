@@ -127,8 +127,10 @@ def test_mqar_steps_to_99_is_the_first_evaluation_at_99(monkeypatch):
     assert rec["metrics"]["final_eval_acc"] == 1.0
 
 
-def test_untuned_arms_are_not_planned_on_the_cpu_profile():
-    with pytest.raises(ValueError, match="no learning rate chosen"):
+def test_untuned_arms_are_not_planned_on_the_cpu_profile(monkeypatch):
+    tuned = {a: r for a, r in lm.PROFILES["cpu"]["tuned"].items() if a != "muon"}
+    monkeypatch.setitem(lm.PROFILES["cpu"], "tuned", tuned)
+    with pytest.raises(ValueError, match="no learning rate chosen for arm 'muon'"):
         lm.cells("main", "cpu", 2)
     assert lm.FAMILY.experiment_records("main", "cpu", {}) == []
     sweep = mqar.cells("lr-sweep", "cpu", 2)
@@ -213,3 +215,12 @@ def test_cli_arms_runs_a_subset_and_the_summary_keeps_every_finished_run(tmp_pat
     md = (tmp_path / "main" / "summary.md").read_text()
     assert "| frozen (1 seed) |" in md and re.search(r"\| frozen \| \d+\.\d\d \| n/a \|", md)
     assert "1 seeds" not in md and "nan" not in md  # one seed: no spread, said as such
+
+
+@pytest.mark.parametrize("profile", list(mqar.PROFILES))
+def test_every_planned_mqar_level_fits_its_vocabulary(profile):
+    prof = mqar.PROFILES[profile]
+    for n_pairs in (prof["n_pairs"], *mqar.DIFFICULTY_PAIRS[profile]):
+        assert n_pairs <= prof["vocab"] // 2 - 1, n_pairs  # else mqar_batch refuses at run time
+    with pytest.raises(ValueError, match="needs distinct keys"):
+        mqar.make_config("cpu", "adamw", 0, n_pairs=32)

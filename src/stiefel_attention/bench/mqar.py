@@ -96,7 +96,8 @@ PROFILES: dict[str, dict] = {
 }
 MAIN_ARMS = SEQUENCE_ARMS
 DIFFICULTY_ARMS = ("adamw", "frozen", "stiefel-adam")
-DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (8, 16, 24, 32), "paper": (8, 16, 32, 64)}
+# at most vocab // 2 - 1 pairs (distinct keys, mqar_task): 30 is the cpu vocabulary's largest even level
+DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (8, 16, 24, 30), "paper": (8, 16, 32, 64)}
 EXPERIMENTS = ("main", "lr-sweep", "difficulty")
 DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
@@ -140,6 +141,10 @@ def make_config(profile: str, arm: str, seed: int, split: str = "test", **overri
     if cfg["n_queries"] > cfg["n_pairs"]:  # a harder level with fewer pairs than the profile's queries
         cfg["n_queries"] = cfg["n_pairs"]
     cfg["seq_len"] = max(cfg["seq_len"], 2 * cfg["n_pairs"] + cfg["n_queries"])
+    if cfg["n_pairs"] > cfg["vocab"] // 2 - 1:
+        raise ValueError(
+            f"n_pairs={cfg['n_pairs']} needs distinct keys; vocabulary {cfg['vocab']} has {cfg['vocab'] // 2 - 1}"
+        )
     return cfg
 
 
