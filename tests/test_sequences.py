@@ -11,7 +11,7 @@ import torch
 from stiefel_attention.bench import cli, lm, mqar, training
 from stiefel_attention.bench.arms import arm_spec
 from stiefel_attention.bench.errors import DataError
-from stiefel_attention.bench.mqar_task import IGNORE, mqar_batch
+from stiefel_attention.bench.mqar_task import IGNORE, max_pairs, mqar_batch
 from stiefel_attention.bench.text import ENV_TEXT, fixed_windows, load_text, random_windows
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
@@ -221,6 +221,6 @@ def test_cli_arms_runs_a_subset_and_the_summary_keeps_every_finished_run(tmp_pat
 def test_every_planned_mqar_level_fits_its_vocabulary(profile):
     prof = mqar.PROFILES[profile]
     for n_pairs in (prof["n_pairs"], *mqar.DIFFICULTY_PAIRS[profile]):
-        assert n_pairs <= prof["vocab"] // 2 - 1, n_pairs  # else mqar_batch refuses at run time
+        assert n_pairs <= max_pairs(prof["vocab"]), n_pairs  # else mqar_batch refuses at run time
     with pytest.raises(ValueError, match="needs distinct keys"):
         mqar.make_config("cpu", "adamw", 0, n_pairs=32)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .arms import arm_spec
 from .family import Family
 from .models import CharGPT
-from .mqar_task import IGNORE, mqar_batch
+from .mqar_task import IGNORE, max_pairs, min_seq_len, mqar_batch
 from .records import Cell
 from .seq_report import write_mqar_report
 from .training import (
@@ -96,7 +96,7 @@ PROFILES: dict[str, dict] = {
 }
 MAIN_ARMS = SEQUENCE_ARMS
 DIFFICULTY_ARMS = ("adamw", "frozen", "stiefel-adam")
-# at most vocab // 2 - 1 pairs (distinct keys, mqar_task): 30 is the cpu vocabulary's largest even level
+# at most mqar_task.max_pairs(vocab) pairs (distinct keys): 30 is the cpu vocabulary's largest even level
 DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (8, 16, 24, 30), "paper": (8, 16, 32, 64)}
 EXPERIMENTS = ("main", "lr-sweep", "difficulty")
 DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6}
@@ -140,10 +140,10 @@ def make_config(profile: str, arm: str, seed: int, split: str = "test", **overri
     cfg.update(overrides)
     if cfg["n_queries"] > cfg["n_pairs"]:  # a harder level with fewer pairs than the profile's queries
         cfg["n_queries"] = cfg["n_pairs"]
-    cfg["seq_len"] = max(cfg["seq_len"], 2 * cfg["n_pairs"] + cfg["n_queries"])
-    if cfg["n_pairs"] > cfg["vocab"] // 2 - 1:
+    cfg["seq_len"] = max(cfg["seq_len"], min_seq_len(cfg["n_pairs"], cfg["n_queries"]))
+    if cfg["n_pairs"] > max_pairs(cfg["vocab"]):
         raise ValueError(
-            f"n_pairs={cfg['n_pairs']} needs distinct keys; vocabulary {cfg['vocab']} has {cfg['vocab'] // 2 - 1}"
+            f"n_pairs={cfg['n_pairs']} needs distinct keys; vocabulary {cfg['vocab']} has {max_pairs(cfg['vocab'])}"
         )
     return cfg
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["IGNORE", "mqar_batch", "min_seq_len"]
+__all__ = ["IGNORE", "max_pairs", "mqar_batch", "min_seq_len"]
 
 IGNORE = -100  # label of every non-query position (cross_entropy's ignore_index)
 
@@ -20,9 +20,14 @@ def min_seq_len(n_pairs: int, n_queries: int) -> int:
     return 2 * n_pairs + n_queries
 
 
+def max_pairs(vocab_size: int) -> int:
+    """The number of distinct keys K a vocabulary holds, so the most pairs a sequence can have."""
+    return vocab_size // 2 - 1
+
+
 def mqar_batch(batch: int, vocab_size: int, n_pairs: int, n_queries: int, seq_len: int, generator: torch.Generator):
     """(tokens, labels), each (batch, seq_len): labels hold the value at query positions, IGNORE elsewhere."""
-    n_keys = vocab_size // 2 - 1
+    n_keys = max_pairs(vocab_size)
     if n_pairs > n_keys:
         raise ValueError(
             f"n_pairs={n_pairs} needs at least that many distinct keys; vocab_size={vocab_size} gives {n_keys}"
