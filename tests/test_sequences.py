@@ -11,6 +11,7 @@ import torch
 from stiefel_attention.bench import cli, lm, mqar, training
 from stiefel_attention.bench.arms import arm_spec
 from stiefel_attention.bench.errors import DataError
+from stiefel_attention.bench.fmt import fmt_runs
 from stiefel_attention.bench.mqar_task import IGNORE, max_pairs, mqar_batch
 from stiefel_attention.bench.text import ENV_TEXT, fixed_windows, load_text, random_windows
 
@@ -224,3 +225,19 @@ def test_every_planned_mqar_level_fits_its_vocabulary(profile):
         assert n_pairs <= max_pairs(prof["vocab"]), n_pairs  # else mqar_batch refuses at run time
     with pytest.raises(ValueError, match="needs distinct keys"):
         mqar.make_config("cpu", "adamw", 0, n_pairs=32)
+
+
+def test_plan_counts_planned_cells_not_records_of_extra_seeds():
+    """A level shared with `main` holds more seeds than `difficulty` plans; 'k of n' must count planned cells."""
+    planned = mqar.FAMILY.cells("difficulty", "smoke")
+    extra = mqar.FAMILY.cells("difficulty", "smoke", seeds=1 + max(c.config["seed"] for c in planned) + 1)
+    missing = planned[-1].key
+    finished = [{"key": c.key} for c in extra if c.key != missing]
+    plan = mqar.FAMILY.plan("difficulty", "smoke", finished)
+    assert plan.total == len({c.key for c in planned}) and plan.done == plan.total - 1
+    assert len(finished) > plan.total  # more records than the plan has cells, yet the plan is not complete
+    summary = {"n_records": len(finished), "n_planned": plan.total, "n_planned_done": plan.done}
+    text = fmt_runs(summary)
+    assert f"{plan.done} of the {plan.total} planned" in text and f"of {plan.total} planned" not in text
+    assert fmt_runs({**summary, "n_records": plan.done}) == f"{plan.done} finished runs of {plan.total} planned"
+    assert fmt_runs({"n_records": 3, "n_planned": None}) == "3 finished runs"

@@ -518,12 +518,12 @@ class CifarFamily(Family):
             return groups[n_main]
         return max(groups.values(), key=len, default=[])
 
-    def write_summary(self, out_dir, experiment, records, profile, n_planned, by_key) -> dict:
+    def write_summary(self, out_dir, experiment, records, profile, plan, by_key) -> dict:
         sweep = None
         if experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
             seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=0)
             sweep = [by_key[c.key] for c in cells("lr-sweep", profile, seeds) if c.key in by_key]
-        return write_cifar_report(out_dir, experiment, records, profile, n_planned=n_planned, sweep_records=sweep)
+        return write_cifar_report(out_dir, experiment, records, profile, plan=plan, sweep_records=sweep)
 
     def claim_rows(self, experiment, summary, link, profile):
         return claim_rows(experiment, summary, link, profile)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from . import claims
 from .arms import arm_spec
-from .fmt import fmt_ci, fmt_num, fmt_p, fmt_t, save_figure
+from .family import Plan
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, save_figure
 from .geometry import (
     Measure,
     controls_markdown,
@@ -224,11 +225,10 @@ def _md_comparisons(summary: dict) -> list[str]:
 
 def summary_markdown(summary: dict, profile: str) -> str:
     exp = summary["experiment"]
-    planned = f" of {summary['n_planned']} planned" if summary.get("n_planned") else ""
     lines = [
         f"# CIFAR-10 (JPEG mirror) — `{exp}`, profile `{profile}`",
         "",
-        f"{summary['n_records']} finished runs{planned}. Accuracies are final test accuracy in percent "
+        f"{fmt_runs(summary)}. Accuracies are final test accuracy in percent "
         "(the lr sweep alone uses a validation split carved from train). Differences are paired by seed.",
         "",
     ]
@@ -401,13 +401,13 @@ def write_cifar_report(
     experiment: str,
     records: list[dict],
     profile: str,
-    n_planned: int | None = None,
+    plan: Plan | None = None,
     sweep_records: list[dict] | None = None,
 ) -> dict:
     summary = cifar_summary(experiment, records)
     if experiment == "movement":
         summary["vs_lr"] = movement_vs_lr(sweep_records or [])
-    return write_experiment(out_dir, experiment, summary, _plots, summary_markdown, profile, n_planned)
+    return write_experiment(out_dir, experiment, summary, _plots, summary_markdown, profile, plan)
 
 
 def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .family import FAMILY_MODULES, UserError, all_families, get_family
+from .family import FAMILY_MODULES, Plan, UserError, all_families, get_family
 
 EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
@@ -168,7 +168,7 @@ def _family_command(args: argparse.Namespace) -> int:
     records.update({c.key: r for c in cells if c.key not in records and (r := read_record(c.path(out / "runs")))})
     finished = [records[c.key] for c in cells if c.key in records]
     by_key = {r["key"]: r for r in load_records(out / "runs", family.name)}
-    family.write_summary(out, args.experiment, finished, args.profile, len(cells), by_key)
+    family.write_summary(out, args.experiment, finished, args.profile, Plan(len(finished), len(cells)), by_key)
     print((out / args.experiment / "summary.md").read_text())
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)

@@ -11,15 +11,22 @@ from __future__ import annotations
 import argparse
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import NotReady, UserError
 from .records import Cell
 
-__all__ = ["Family", "FAMILY_MODULES", "NotReady", "UserError", "all_families", "get_family"]
+__all__ = ["Family", "FAMILY_MODULES", "NotReady", "Plan", "UserError", "all_families", "get_family"]
 
 # The registered families, in the order `reproduce` runs them and REPORT.md lists them.
 FAMILY_MODULES = ("cifar", "grok", "lm", "mqar")
+
+
+class Plan(NamedTuple):
+    """How far an experiment's default plan has got: its finished cells, of all the cells it plans."""
+
+    done: int
+    total: int
 
 
 class Family:
@@ -80,9 +87,14 @@ class Family:
         except NotReady:
             return []
 
-    def n_planned(self, experiment: str, profile: str) -> int:
-        """Runs the experiment plans by default (the denominator of 'k of n runs')."""
-        return len({c.key for c in self.cells(experiment, profile)})
+    def plan(self, experiment: str, profile: str, finished: list[dict]) -> Plan:
+        """How many of the cells the experiment plans by default are among the finished records ('k of n runs').
+
+        The records of an experiment may hold more than its plan (another experiment's extra seeds of a shared
+        cell), so k counts planned cells, not records.
+        """
+        planned = {c.key for c in self.cells(experiment, profile)}
+        return Plan(len(planned & {r["key"] for r in finished}), len(planned))
 
     def write_summary(
         self,
@@ -90,7 +102,7 @@ class Family:
         experiment: str,
         records: list[dict],
         profile: str,
-        n_planned: int | None,
+        plan: Plan | None,
         by_key: dict[str, dict],
     ) -> dict:
         """summary.json, summary.md and plots under out_dir/<experiment>/; returns the summary."""

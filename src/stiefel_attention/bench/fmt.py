@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["fmt_ci", "fmt_p", "fmt_t", "save_figure", "undefined"]
+__all__ = ["fmt_ci", "fmt_p", "fmt_runs", "fmt_t", "save_figure", "undefined"]
 
 
 def undefined(x) -> bool:
@@ -28,6 +28,21 @@ def fmt_num(x, digits: int) -> str:
 
 def fmt_seeds(n: int) -> str:
     return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
+def fmt_runs(summary: dict) -> str:
+    """'N finished runs', and how many of the experiment's planned cells they cover when it has a plan.
+
+    The records can outnumber the finished planned cells (seeds of a cell shared with another experiment);
+    the sentence then says so instead of reading as a complete plan.
+    """
+    n, total = summary["n_records"], summary.get("n_planned")
+    if not total:
+        return f"{n} finished runs"
+    done = summary.get("n_planned_done", n)
+    if done == n:
+        return f"{n} finished runs of {total} planned"
+    return f"{n} finished runs ({done} of the {total} planned cells, {n - done} beyond the plan)"
 
 
 def fmt_p(p: float) -> str:

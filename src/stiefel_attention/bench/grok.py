@@ -314,8 +314,8 @@ class GrokFamily(Family):
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)
 
-    def write_summary(self, out_dir, experiment, records, profile, n_planned, by_key) -> dict:
-        return write_grok_report(out_dir, experiment, records, profile, n_planned=n_planned)
+    def write_summary(self, out_dir, experiment, records, profile, plan, by_key) -> dict:
+        return write_grok_report(out_dir, experiment, records, profile, plan=plan)
 
     def claim_rows(self, experiment, summary, link, profile):
         return claim_rows(experiment, summary, link, profile)

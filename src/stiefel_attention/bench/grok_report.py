@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 
 from . import claims
-from .fmt import fmt_ci, fmt_p, fmt_t, save_figure
+from .family import Plan
+from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_t, save_figure
 from .geometry import (
     Measure,
     controls_markdown,
@@ -225,8 +226,7 @@ def grok_markdown(summary: dict, profile: str) -> str:
     lines = [
         f"# Grokking (modular arithmetic) — `{exp}`, profile `{profile}`",
         "",
-        f"{summary['n_records']} finished runs"
-        + (f" of {summary['n_planned']} planned." if summary.get("n_planned") else "."),
+        f"{fmt_runs(summary)}.",
         "",
         "| op | arm | seed | epochs | final val acc (%) | best val acc (%) | epoch val acc >= 95% | "
         "max Q/K isometry error | collapses (survived) |",
@@ -387,12 +387,10 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
 
 
 def write_grok_report(
-    out_dir: str | Path, experiment: str, records: list[dict], profile: str, n_planned: int | None = None
+    out_dir: str | Path, experiment: str, records: list[dict], profile: str, plan: Plan | None = None
 ) -> dict:
     plots = lambda summary, exp_dir: _grok_plots(summary, records, exp_dir)  # noqa: E731 - needs the curves
-    return write_experiment(
-        out_dir, experiment, grok_summary(experiment, records), plots, grok_markdown, profile, n_planned
-    )
+    return write_experiment(out_dir, experiment, grok_summary(experiment, records), plots, grok_markdown, profile, plan)
 
 
 def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]:

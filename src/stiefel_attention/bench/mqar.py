@@ -272,8 +272,8 @@ class MQARFamily(Family):
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)
 
-    def write_summary(self, out_dir, experiment, records, profile, n_planned, by_key) -> dict:
-        return write_mqar_report(out_dir, experiment, records, profile, n_planned)
+    def write_summary(self, out_dir, experiment, records, profile, plan, by_key) -> dict:
+        return write_mqar_report(out_dir, experiment, records, profile, plan)
 
 
 FAMILY = MQARFamily()

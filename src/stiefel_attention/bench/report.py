@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from .family import all_families, get_family
+from .family import Plan, all_families, get_family
 from .fmt import fmt_ci, fmt_p, fmt_t
 from .geometry import geometry_section, verdicts_by_testbed
 from .records import read_record, write_json_atomic
@@ -65,13 +65,14 @@ def verdict(kind: str, paper: float | None, st: dict) -> str:
 
 
 def write_experiment(
-    out_dir, experiment: str, summary: dict, make_plots, to_markdown, profile: str, n_planned: int | None = None
+    out_dir, experiment: str, summary: dict, make_plots, to_markdown, profile: str, plan: Plan | None = None
 ) -> dict:
     """summary.json, summary.md and plots for one experiment, under out_dir/<experiment>/."""
     exp_dir = Path(out_dir) / experiment
     exp_dir.mkdir(parents=True, exist_ok=True)
     summary["profile"] = profile
-    summary["n_planned"] = n_planned
+    summary["n_planned"] = plan.total if plan else None
+    summary["n_planned_done"] = plan.done if plan else None
     summary["plots"] = make_plots(summary, exp_dir) if summary["n_records"] else []
     write_json_atomic(exp_dir / "summary.json", summary)
     (exp_dir / "summary.md").write_text(to_markdown(summary, profile))
@@ -97,7 +98,7 @@ def rebuild_all(results_dir: str | Path) -> list[Path]:
                 if not finished:
                     continue
                 family.write_summary(
-                    results_dir / family.name, exp, finished, profile, family.n_planned(exp, profile), by_key
+                    results_dir / family.name, exp, finished, profile, family.plan(exp, profile, finished), by_key
                 )
                 written.append(results_dir / family.name / exp / "summary.json")
     written += write_claims_report(results_dir)
@@ -119,7 +120,7 @@ def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, s
     for path in sorted(results_dir.glob("*/*/summary.json")):
         s = json.loads(path.read_text())
         family, exp = path.parent.parent.name, path.parent.name
-        done = f" ({s['n_records']}/{s['n_planned']} runs)" if s.get("n_planned") else ""
+        done = f" ({s['n_planned_done']}/{s['n_planned']} runs)" if s.get("n_planned") else ""
         link = f"[{family}/{exp}]({family}/{exp}/summary.md){done}"
         prof = s.get("profile", "?")
         plots = ", ".join(f"[{Path(p).stem}]({family}/{exp}/{Path(p).name})" for p in s.get("plots", [])) or "—"

@@ -7,7 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from .arms import arm_spec
-from .fmt import fmt_ci, fmt_num, fmt_seeds
+from .family import Plan
+from .fmt import fmt_ci, fmt_num, fmt_runs, fmt_seeds
 from .geometry import (
     Measure,
     controls_markdown,
@@ -73,11 +74,10 @@ def _curve_plot(records: list[dict], key: str, ylabel: str, out_dir: Path, made:
 
 
 def _header(title: str, summary: dict, profile: str, what: str) -> list[str]:
-    planned = f" of {summary['n_planned']} planned" if summary.get("n_planned") else ""
     return [
         f"# {title} — `{summary['experiment']}`, profile `{profile}`",
         "",
-        f"{summary['n_records']} finished runs{planned}. {what}",
+        f"{fmt_runs(summary)}. {what}",
         "",
     ]
 
@@ -121,7 +121,7 @@ def lm_markdown(summary: dict, profile: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str, n_planned: int | None) -> dict:
+def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str, plan: Plan | None) -> dict:
     def plots(summary: dict, exp_dir: Path) -> list[str]:
         made: list[str] = []
         if "controls" in summary:
@@ -131,9 +131,7 @@ def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str,
             lead_plot(summary["scaling"], exp_dir, made)
         return made
 
-    return write_experiment(
-        out_dir, experiment, lm_summary(experiment, records), plots, lm_markdown, profile, n_planned
-    )
+    return write_experiment(out_dir, experiment, lm_summary(experiment, records), plots, lm_markdown, profile, plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +236,7 @@ def mqar_markdown(summary: dict, profile: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_mqar_report(out_dir, experiment: str, records: list[dict], profile: str, n_planned: int | None) -> dict:
+def write_mqar_report(out_dir, experiment: str, records: list[dict], profile: str, plan: Plan | None) -> dict:
     def plots(summary: dict, exp_dir: Path) -> list[str]:
         made: list[str] = []
         if "controls" in summary:
@@ -246,6 +244,4 @@ def write_mqar_report(out_dir, experiment: str, records: list[dict], profile: st
             mechanism_plot(summary["controls"], exp_dir, made)
         return made
 
-    return write_experiment(
-        out_dir, experiment, mqar_summary(experiment, records), plots, mqar_markdown, profile, n_planned
-    )
+    return write_experiment(out_dir, experiment, mqar_summary(experiment, records), plots, mqar_markdown, profile, plan)
