@@ -13,6 +13,7 @@ from stiefel_attention.bench.arms import arm_spec
 from stiefel_attention.bench.errors import DataError
 from stiefel_attention.bench.fmt import fmt_runs
 from stiefel_attention.bench.mqar_task import IGNORE, max_pairs, mqar_batch
+from stiefel_attention.bench.seq_report import mqar_markdown, mqar_summary
 from stiefel_attention.bench.text import ENV_TEXT, fixed_windows, load_text, random_windows
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
@@ -241,3 +242,24 @@ def test_plan_counts_planned_cells_not_records_of_extra_seeds():
     assert f"{plan.done} of the {plan.total} planned" in text and f"of {plan.total} planned" not in text
     assert fmt_runs({**summary, "n_records": plan.done}) == f"{plan.done} finished runs of {plan.total} planned"
     assert fmt_runs({"n_records": 3, "n_planned": None}) == "3 finished runs"
+
+
+def _mqar_record(pairs: int, arm: str, seed: int, step_99, acc: float) -> dict:
+    config = {"n_pairs": pairs, "arm": arm, "seed": seed, "steps": 1000}
+    return {"config": config, "metrics": {"step_eval_acc_99": step_99, "final_eval_acc": acc}, "curves": {}}
+
+
+def test_difficulty_sensitivity_reports_final_accuracy_and_says_when_every_run_is_censored():
+    records = [_mqar_record(8, "adamw", s, 300, 1.0) for s in range(3)]
+    records += [_mqar_record(8, "frozen", s, 400 + 100 * s, 1.0) for s in range(3)]
+    records += [_mqar_record(30, "adamw", s, None, 0.3 + 0.1 * s) for s in range(3)]
+    records += [_mqar_record(30, "frozen", s, None, 0.1) for s in range(3)]
+    summary = mqar_summary("difficulty", records)
+    easy, hard = summary["sensitivity_by_pairs"]["8"], summary["sensitivity_by_pairs"]["30"]
+    assert easy["steps"]["diffs"] == [-100, -200, -300] and not easy["all_censored"]
+    assert hard["steps"]["diffs"] == [0, 0, 0] and hard["all_censored"]
+    assert hard["final_acc"]["mean_diff"] == pytest.approx(30.0)  # (20 + 30 + 40) / 3 pp
+    md = mqar_markdown({**summary, "n_planned": None}, "smoke")
+    line = next(s for s in md.splitlines() if s.startswith("- 30 pairs"))
+    assert "every run censored" in line and "final accuracy +30.0 pp" in line
+    assert "censored" not in next(s for s in md.splitlines() if s.startswith("- 8 pairs"))

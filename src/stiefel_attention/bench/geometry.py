@@ -32,6 +32,7 @@ __all__ = [
     "controls_summary",
     "decay_summary",
     "mechanism_curves",
+    "sensitivity",
     "geometry_section",
     "verdicts_by_testbed",
     "GEOMETRY_ARMS",
@@ -72,6 +73,11 @@ def compare(table: dict[str, dict[int, float]], arm: str, baseline: str) -> dict
     st["diffs"] = [table[arm][s] - table[baseline][s] for s in seeds]
     st["arm"], st["baseline"] = arm, baseline
     return st
+
+
+def sensitivity(records: list[dict], measure: Measure) -> dict | None:
+    """Trained (adamw) - frozen Q/K on `measure`, paired by seed; None where either arm has no record."""
+    return compare(_table(records, measure), *SENSITIVITY)
 
 
 def mechanism_curves(records: list[dict], label=lambda c: c["arm"]) -> dict[str, dict]:
