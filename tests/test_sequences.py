@@ -13,6 +13,7 @@ from stiefel_attention.bench.arms import arm_spec
 from stiefel_attention.bench.errors import DataError
 from stiefel_attention.bench.fmt import fmt_runs
 from stiefel_attention.bench.mqar_task import IGNORE, max_pairs, mqar_batch
+from stiefel_attention.bench.report import rebuild_all
 from stiefel_attention.bench.seq_report import mqar_markdown, mqar_summary
 from stiefel_attention.bench.text import ENV_TEXT, fixed_windows, load_text, random_windows
 
@@ -203,18 +204,24 @@ def test_cli_smoke_main_writes_records_and_a_summary(family, corpus_file, tmp_pa
 
 
 def test_cli_arms_runs_a_subset_and_the_summary_keeps_every_finished_run(tmp_path, capsys):
-    args = ["mqar", "--experiment", "main", "--profile", "smoke", "--seeds", "1", "--out", str(tmp_path)]
-    args += ["--jobs", "1", "--no-progress"]
+    out = tmp_path / "mqar"
+    base = ["mqar", "--experiment", "main", "--profile", "smoke", "--out", str(out), "--jobs", "1", "--no-progress"]
+    args = [*base, "--seeds", "1"]
     assert cli.main([*args, "--arms", "frozen,nonsense"]) == 2
     err = capsys.readouterr().err
     assert "has no arm nonsense" in err and "stiefel-adam-temp" in err and "Traceback" not in err
-    assert not (tmp_path / "runs").exists()  # refused before anything ran
+    assert not (out / "runs").exists()  # refused before anything ran
     assert cli.main([*args, "--arms", "frozen, adamw"]) == 0
-    assert sorted(p.name.split("-s0")[0] for p in (tmp_path / "runs").glob("*.json")) == ["adamw", "frozen"]
-    assert cli.main([*args, "--arms", "stiefel-adam"]) == 0
-    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
-    assert summary["n_records"] == 3 and summary["n_planned"] == 10  # the earlier runs stay in the summary
-    md = (tmp_path / "main" / "summary.md").read_text()
+    assert sorted(p.name.split("-s0")[0] for p in (out / "runs").glob("*.json")) == ["adamw", "frozen"]
+    assert cli.main([*base, "--seeds", "2", "--arms", "stiefel-adam"]) == 0  # seeds 0 and 1
+    assert cli.main([*args, "--arms", "frozen"]) == 0  # nothing left to run; the summary still holds seed 1
+    written = {name: (out / "main" / name).read_bytes() for name in ("summary.json", "summary.md")}
+    summary = json.loads(written["summary.json"])
+    planned = len(mqar.FAMILY.cells("main", "smoke"))  # the protocol's plan, whatever --seeds this command had
+    assert summary["n_records"] == 4 and (summary["n_planned"], summary["n_planned_done"]) == (planned, 4)
+    rebuild_all(tmp_path)  # `report` writes the same summary from the records alone
+    assert {name: (out / "main" / name).read_bytes() for name in written} == written
+    md = written["summary.md"].decode()
     assert "| frozen (1 seed) |" in md and re.search(r"\| frozen \| \d+\.\d\d \| n/a \|", md)
     assert "1 seeds" not in md and "nan" not in md  # one seed: no spread, said as such
 

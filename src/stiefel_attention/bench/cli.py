@@ -166,9 +166,14 @@ def _family_command(args: argparse.Namespace) -> int:
         to_run, out / "runs", _executor(args), progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
     )
     records.update({c.key: r for c in cells if c.key not in records and (r := read_record(c.path(out / "runs")))})
-    finished = [records[c.key] for c in cells if c.key in records]
+    mine = [records[c.key] for c in cells if c.key in records]
     by_key = {r["key"]: r for r in load_records(out / "runs", family.name)}
-    family.write_summary(out, args.experiment, finished, args.profile, Plan(len(finished), len(cells)), by_key)
+    finished = family.experiment_records(args.experiment, args.profile, by_key)
+    if {r["key"] for r in mine} <= {r["key"] for r in finished}:  # the folder's summary, as `report` writes it
+        plan = family.plan(args.experiment, args.profile, finished)
+    else:  # cells of a non-default option (e.g. cifar's --n): a summary of this command's cells alone
+        finished, plan = mine, Plan(len(mine), len(cells))
+    family.write_summary(out, args.experiment, finished, args.profile, plan, by_key)
     print((out / args.experiment / "summary.md").read_text())
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
