@@ -10,8 +10,10 @@ from stiefel_attention.bench.geometry import (
     Measure,
     controls_markdown,
     controls_summary,
+    decay_markdown,
     decay_summary,
     geometry_section,
+    lead_trend,
     significant,
     verdicts_by_testbed,
 )
@@ -69,6 +71,36 @@ def test_decay_summary_gives_one_lead_per_weight_decay():
     s = decay_summary(recs, ACC)
     assert [lead["weight_decay"] for lead in s["leads"]] == [0.0, 0.5]
     assert [lead["mean_diff"] for lead in s["leads"]] == pytest.approx([0.0, 5.0])
+
+
+def _leads(measure: Measure, key: str, points: list[tuple[float, float, float, float]]) -> dict:
+    """A lead summary from (value of key, mean lead, CI low, CI high)."""
+    leads = [{key: x, "mean_diff": d, "ci95": [lo, hi], "n_seeds": 6} for x, d, lo, hi in points]
+    return {"measure": measure.describe(), "key": key, "leads": leads}
+
+
+def test_lead_trend_says_where_the_stiefel_arm_stands_and_which_way_it_moves():
+    loss = Measure("validation loss", "nats/char", lambda r: 0.0, higher_is_better=False)
+    points = [(4800, 0.002, -0.004, 0.008), (1200, 0.045, 0.025, 0.065), (2400, 0.01, 0.001, 0.02)]  # unsorted
+    shrinking = _leads(loss, "steps", points)
+    assert lead_trend(shrinking) == (
+        "stiefel-adam is behind adamw at steps 1200, 2400; level with adamw at steps 4800; its standing improves "
+        "with more steps (ahead or behind: the paired 95% CI excludes 0)."
+    )
+    wavy = _leads(loss, "steps", [(1, 0.1, 0.05, 0.15), (2, 0.0, -0.1, 0.1), (3, 0.2, 0.1, 0.3)])
+    assert "does not move monotonically" in lead_trend(wavy)
+    falling = _leads(ACC, "weight_decay", [(0.0, 1.0, 0.5, 1.5), (0.5, -1.0, -1.5, -0.5)])  # higher is better
+    text = lead_trend(falling)
+    assert "ahead of adamw at weight decay 0; behind adamw at weight decay 0.5; its standing worsens" in text
+    assert "standing" not in lead_trend(_leads(ACC, "steps", [(1, 1.0, 0.5, 1.5)]))  # one value: no direction
+    assert lead_trend(_leads(ACC, "steps", [])) == ""
+    recs = [
+        _rec(a, s, 50 + (wd * 10 if a == "stiefel-adam" else 0) + 0.1 * s, wd)
+        for wd in (0.0, 0.5)
+        for a in ("adamw", "stiefel-adam")
+        for s in range(4)
+    ]
+    assert "its standing improves with more weight decay" in "\n".join(decay_markdown(decay_summary(recs, ACC)))
 
 
 def _write(tmp_path, family, controls=None, decay=None):

@@ -269,7 +269,8 @@ def decay_markdown(summary: dict, digits: int = 2) -> list[str]:
             f"{fmt_ci(lead['ci95'], digits)} | {fmt_p(lead['p_t'])} | {fmt_p(lead['p_wilcoxon'])} | "
             f"{lead['n_seeds']} |"
         )
-    return lines + [""]
+    trend = lead_trend(summary)
+    return lines + ["", *([trend, ""] if trend else [])]
 
 
 def mechanism_plot(summary: dict, out_dir: Path, made: list[str], log_x: bool = False) -> None:
@@ -471,14 +472,43 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
             )
         parts += _logit_separation(["stiefel-adam", *tied], ahead, mech)
     if len(leads) >= 2:
-        ordered = sorted(leads, key=lambda lead: lead["weight_decay"])
-        grows = all(
-            b["mean_diff"] * (1 if m["higher_is_better"] else -1)
-            > a["mean_diff"] * (1 if m["higher_is_better"] else -1)
-            for a, b in zip(ordered, ordered[1:])
-        )
+        grows = lead_direction(leads, m, "weight_decay") == 1
         parts.append("the lead grows with weight decay" if grows else "the lead does not grow monotonically with decay")
     return "; ".join(parts)
+
+
+def lead_direction(leads: list[dict], m: dict, key: str) -> int:
+    """+1 when stiefel-adam's standing against adamw (the lead, signed so that positive is better) improves at
+    every step up in config[key], -1 when it worsens at every step, 0 otherwise or with fewer than two values."""
+    sign = 1 if m["higher_is_better"] else -1
+    gains = [sign * lead["mean_diff"] for lead in sorted(leads, key=lambda lead: lead[key])]
+    steps = list(zip(gains, gains[1:]))
+    if steps and all(b > a for a, b in steps):
+        return 1
+    if steps and all(b < a for a, b in steps):
+        return -1
+    return 0
+
+
+def lead_trend(summary: dict) -> str:
+    """A sentence computed from a lead_summary: where stiefel-adam is significantly ahead of, level with or
+    behind adamw, and whether its standing improves or worsens monotonically along summary['key']."""
+    m, key = summary["measure"], summary["key"]
+    leads = sorted(summary["leads"], key=lambda lead: lead[key])
+    if not leads:
+        return ""
+    better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
+    where: dict[str, list[str]] = {}  # in the order of the values of key
+    for lead in leads:
+        status = "level with" if not significant(lead) else "ahead of" if better(lead) else "behind"
+        where.setdefault(status, []).append(f"{lead[key]:g}")
+    name = key.replace("_", " ")
+    text = "; ".join(f"{s} adamw at {name} {', '.join(v)}" for s, v in where.items())
+    direction = lead_direction(leads, m, key)
+    if len(leads) >= 2:
+        moves = {1: "improves", -1: "worsens", 0: "does not move monotonically"}[direction]
+        text += f"; its standing {moves} with more {name}"
+    return f"stiefel-adam is {text} (ahead or behind: the paired 95% CI excludes 0)."
 
 
 def _logit_separation(level: list[str], behind: list[str], mech: dict) -> list[str]:
