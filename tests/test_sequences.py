@@ -198,6 +198,11 @@ def test_cli_smoke_main_writes_records_and_a_summary(family, corpus_file, tmp_pa
     roles = {c["role"] for c in summary["controls"]["comparisons"]}
     assert roles == {"sensitivity", "stiefel-adam vs arm", "control vs adamw"}
     assert (tmp_path / "main" / "mechanism.png").exists()
+    if family == "lm":  # the model's size is stated, from the records
+        model = dict(n_layers=1, d_model=32, n_heads=2, head_dim=16, context=32, batch=8, steps=[40])
+        assert summary["model"] == [model]
+        md = (tmp_path / "main" / "summary.md").read_text()
+        assert "1 layer, width 32, 2 heads of 16, context 32; 40 steps of 8 windows." in md
     if family == "mqar":  # the task's size is stated, from the records
         assert summary["task"] == [dict(n_pairs=4, n_queries=4, vocab=32, seq_len=16, steps=60, batch=32)]
         assert "Task: 4 key-value pairs, 4 queries, vocabulary 32" in (tmp_path / "main" / "summary.md").read_text()

@@ -90,8 +90,25 @@ def _header(title: str, summary: dict, profile: str, what: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+_LM_CPU_SIZE = (
+    " Sized for the sensitivity line: at 800 steps adamw − frozen was only -0.033 nats/char in a pilot (seed 0, "
+    "sweep split, near the bigram regime), -0.091 at 2400, so the profile trains for 2400 (commit c009f98); the "
+    "arms were not changed."
+)
+_MODEL = ("n_layers", "d_model", "n_heads", "head_dim")
+
+
+def _lm_models(records: list[dict]) -> list[dict]:
+    """The model sizes among the records, each with its context, batch and every number of training steps."""
+    steps: dict[tuple, set[int]] = defaultdict(set)
+    for rec in records:
+        c = rec["config"]
+        steps[(*(c["model"][k] for k in _MODEL), c["context"], c["batch"])].add(c["steps"])
+    return [dict(zip((*_MODEL, "context", "batch"), k), steps=sorted(v)) for k, v in sorted(steps.items())]
+
+
 def lm_summary(experiment: str, records: list[dict]) -> dict:
-    summary: dict = {"experiment": experiment, "n_records": len(records)}
+    summary: dict = {"experiment": experiment, "n_records": len(records), "model": _lm_models(records)}
     if experiment == "main":
         summary["controls"] = controls_summary(records, VAL_LOSS)
         summary["samples"] = {r["config"]["arm"]: r.get("sample", "") for r in records if r["config"]["seed"] == 0}
@@ -112,6 +129,14 @@ def lm_markdown(summary: dict, profile: str) -> str:
         "Validation loss in nats per character on a fixed, seeded set of validation windows (the "
         "sweep: on held-out training text).",
     )
+    for m in summary.get("model", []):
+        lines += [
+            f"Model: CharGPT (pre-norm, learned positions, untied output head), {m['n_layers']} "
+            f"layer{'s' * (m['n_layers'] != 1)}, width {m['d_model']}, {m['n_heads']} heads of {m['head_dim']}, "
+            f"context {m['context']}; {', '.join(map(str, m['steps']))} steps of {m['batch']} windows."
+            + (_LM_CPU_SIZE if profile == "cpu" and summary["experiment"] == "main" else ""),
+            "",
+        ]
     if "controls" in summary:
         lines += controls_markdown(summary["controls"], digits=3)
     if "sweep" in summary:
