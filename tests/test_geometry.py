@@ -13,6 +13,7 @@ from stiefel_attention.bench.geometry import (
     decay_markdown,
     decay_summary,
     geometry_section,
+    lead_summary,
     lead_trend,
     significant,
     verdicts_by_testbed,
@@ -73,34 +74,39 @@ def test_decay_summary_gives_one_lead_per_weight_decay():
     assert [lead["mean_diff"] for lead in s["leads"]] == pytest.approx([0.0, 5.0])
 
 
-def _leads(measure: Measure, key: str, points: list[tuple[float, float, float, float]]) -> dict:
-    """A lead summary from (value of key, mean lead, CI low, CI high)."""
-    leads = [{key: x, "mean_diff": d, "ci95": [lo, hi], "n_seeds": 6} for x, d, lo, hi in points]
-    return {"measure": measure.describe(), "key": key, "leads": leads}
+def _lead_records(leads: dict[float, float], noise: dict[float, float], n: int = 6) -> list[dict]:
+    """adamw and stiefel-adam per number of steps: stiefel-adam - adamw is leads[steps] +- noise[steps] by seed."""
+    return [
+        {"config": {"arm": arm, "seed": s, "steps": x}, "metrics": {"acc": value}, "curves": {}}
+        for x, lead in leads.items()
+        for s in range(n)
+        for arm, value in (("adamw", 1.0 + 0.01 * s), ("stiefel-adam", 1.0 + 0.01 * s + lead + noise[x] * (-1) ** s))
+    ]
 
 
-def test_lead_trend_says_where_the_stiefel_arm_stands_and_which_way_it_moves():
-    loss = Measure("validation loss", "nats/char", lambda r: 0.0, higher_is_better=False)
-    points = [(4800, 0.002, -0.004, 0.008), (1200, 0.045, 0.025, 0.065), (2400, 0.01, 0.001, 0.02)]  # unsorted
-    shrinking = _leads(loss, "steps", points)
-    assert lead_trend(shrinking) == (
-        "stiefel-adam is behind adamw at steps 1200, 2400; level with adamw at steps 4800; its standing improves "
-        "with more steps (ahead or behind: the paired 95% CI excludes 0)."
+def test_lead_trend_says_where_the_stiefel_arm_stands_and_how_its_standing_changes_paired_by_seed():
+    loss = Measure("validation loss", "nats/char", lambda r: r["metrics"]["acc"], higher_is_better=False)
+    recs = _lead_records({4800: 0.0097, 1200: 0.045, 2400: 0.010}, {1200: 0.002, 2400: 0.002, 4800: 0.02})
+    text = lead_trend(lead_summary(recs, loss, "steps"), digits=3)
+    assert text.startswith(
+        "stiefel-adam is behind adamw at steps 1200, 2400; level with adamw at steps 4800 (ahead or behind: "
     )
-    wavy = _leads(loss, "steps", [(1, 0.1, 0.05, 0.15), (2, 0.0, -0.1, 0.1), (3, 0.2, 0.1, 0.3)])
-    assert "does not move monotonically" in lead_trend(wavy)
-    falling = _leads(ACC, "weight_decay", [(0.0, 1.0, 0.5, 1.5), (0.5, -1.0, -1.5, -0.5)])  # higher is better
-    text = lead_trend(falling)
-    assert "ahead of adamw at weight decay 0; behind adamw at weight decay 0.5; its standing worsens" in text
-    assert "standing" not in lead_trend(_leads(ACC, "steps", [(1, 1.0, 0.5, 1.5)]))  # one value: no direction
-    assert lead_trend(_leads(ACC, "steps", [])) == ""
+    # lower loss is better: the lead falling from +0.045 to +0.010 is an improvement of +0.035
+    assert "steps 1200 → 2400 improves (+0.035 nats/char [" in text
+    assert "steps 2400 → 4800 no significant change (+0.000 nats/char [" in text  # 0.0003 against +-0.02 noise
+    acc = _lead_records({0.0: 1.0, 0.5: -1.0}, {0.0: 0.1, 0.5: 0.1})  # higher is better: the standing falls
+    text = lead_trend(lead_summary(acc, ACC, "steps"))
+    assert "ahead of adamw at steps 0; behind adamw at steps 0.5" in text and "steps 0 → 0.5 worsens (-2.00 pp" in text
+    one = lead_trend(lead_summary(_lead_records({1: 1.0}, {1: 0.1}), ACC, "steps"))
+    assert one.startswith("stiefel-adam is ahead of adamw at steps 1") and "standing" not in one
+    assert lead_trend({"measure": ACC.describe(), "key": "steps", "leads": []}) == ""
     recs = [
-        _rec(a, s, 50 + (wd * 10 if a == "stiefel-adam" else 0) + 0.1 * s, wd)
+        _rec(a, s, 50 + (wd * 10 if a == "stiefel-adam" else 0) + 0.1 * s * (1 + wd), wd)
         for wd in (0.0, 0.5)
         for a in ("adamw", "stiefel-adam")
         for s in range(4)
     ]
-    assert "its standing improves with more weight decay" in "\n".join(decay_markdown(decay_summary(recs, ACC)))
+    assert "weight decay 0 → 0.5 improves (+5.00 pp" in "\n".join(decay_markdown(decay_summary(recs, ACC)))
 
 
 def _write(tmp_path, family, controls=None, decay=None):
@@ -151,7 +157,7 @@ def test_verdict_names_the_constraint_when_the_decay_exemption_does_not_reproduc
     assert "no significant difference from orthogonal-param" in text
     assert "the constraint suffices for it without the Riemannian Adam, and the decay exemption does not" in text
     assert "frozen random frames do as well" not in text  # frozen never groks here
-    assert "does not grow monotonically" in text  # the same lead at both decays
+    assert "as weight decay grows (paired by seed): 0.1 → 1 no significant change" in text  # the same lead
     assert (tmp_path / "geometry_decay.png").exists()
 
 

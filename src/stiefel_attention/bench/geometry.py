@@ -269,7 +269,7 @@ def decay_markdown(summary: dict, digits: int = 2) -> list[str]:
             f"{fmt_ci(lead['ci95'], digits)} | {fmt_p(lead['p_t'])} | {fmt_p(lead['p_wilcoxon'])} | "
             f"{lead['n_seeds']} |"
         )
-    trend = lead_trend(summary)
+    trend = lead_trend(summary, digits)
     return lines + ["", *([trend, ""] if trend else [])]
 
 
@@ -472,27 +472,41 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
             )
         parts += _logit_separation(["stiefel-adam", *tied], ahead, mech)
     if len(leads) >= 2:
-        grows = lead_direction(leads, m, "weight_decay") == 1
-        parts.append("the lead grows with weight decay" if grows else "the lead does not grow monotonically with decay")
+        steps = ", ".join(
+            f"{c['from']:g} → {c['to']:g} {_CHANGE_WORDS[change_direction(c)]}"
+            for c in lead_changes({"measure": m, "key": "weight_decay", "leads": leads})
+        )
+        parts.append(f"stiefel-adam's standing against adamw as weight decay grows (paired by seed): {steps}")
     return "; ".join(parts)
 
 
-def lead_direction(leads: list[dict], m: dict, key: str) -> int:
-    """+1 when stiefel-adam's standing against adamw (the lead, signed so that positive is better) improves at
-    every step up in config[key], -1 when it worsens at every step, 0 otherwise or with fewer than two values."""
-    sign = 1 if m["higher_is_better"] else -1
-    gains = [sign * lead["mean_diff"] for lead in sorted(leads, key=lambda lead: lead[key])]
-    steps = list(zip(gains, gains[1:]))
-    if steps and all(b > a for a, b in steps):
-        return 1
-    if steps and all(b < a for a, b in steps):
-        return -1
-    return 0
+_CHANGE_WORDS = {1: "improves", -1: "worsens", 0: "no significant change"}
 
 
-def lead_trend(summary: dict) -> str:
-    """A sentence computed from a lead_summary: where stiefel-adam is significantly ahead of, level with or
-    behind adamw, and whether its standing improves or worsens monotonically along summary['key']."""
+def lead_changes(summary: dict) -> list[dict]:
+    """Between consecutive values of summary['key'] (a lead_summary): the paired change in stiefel-adam's
+    standing against adamw, i.e. in the lead signed so that positive is better, over the seeds both values
+    have ('from' and 'to' name the values)."""
+    key = summary["key"]
+    sign = 1 if summary["measure"]["higher_is_better"] else -1
+    leads = sorted(summary["leads"], key=lambda lead: lead[key])
+    changes = []
+    for a, b in zip(leads, leads[1:]):
+        da, db = dict(zip(a["seeds"], a["diffs"])), dict(zip(b["seeds"], b["diffs"]))
+        seeds = sorted(set(da) & set(db))
+        st = paired_comparison([sign * db[s] for s in seeds], [sign * da[s] for s in seeds])
+        changes.append({"from": a[key], "to": b[key], **st})
+    return changes
+
+
+def change_direction(change: dict) -> int:
+    """+1 / -1 where the standing improves / worsens significantly (the 95% CI excludes 0), else 0."""
+    return 0 if not significant(change) else 1 if change["mean_diff"] > 0 else -1
+
+
+def lead_trend(summary: dict, digits: int = 2) -> str:
+    """Sentences computed from a lead_summary: where stiefel-adam is significantly ahead of, level with or
+    behind adamw, and how its standing changes from each value of summary['key'] to the next, paired by seed."""
     m, key = summary["measure"], summary["key"]
     leads = sorted(summary["leads"], key=lambda lead: lead[key])
     if not leads:
@@ -503,12 +517,20 @@ def lead_trend(summary: dict) -> str:
         status = "level with" if not significant(lead) else "ahead of" if better(lead) else "behind"
         where.setdefault(status, []).append(f"{lead[key]:g}")
     name = key.replace("_", " ")
-    text = "; ".join(f"{s} adamw at {name} {', '.join(v)}" for s, v in where.items())
-    direction = lead_direction(leads, m, key)
-    if len(leads) >= 2:
-        moves = {1: "improves", -1: "worsens", 0: "does not move monotonically"}[direction]
-        text += f"; its standing {moves} with more {name}"
-    return f"stiefel-adam is {text} (ahead or behind: the paired 95% CI excludes 0)."
+    text = "stiefel-adam is " + "; ".join(f"{s} adamw at {name} {', '.join(v)}" for s, v in where.items())
+    text += " (ahead or behind: the paired 95% CI excludes 0)."
+    steps = [
+        f"{name} {c['from']:g} → {c['to']:g} {_CHANGE_WORDS[change_direction(c)]} "
+        f"({c['mean_diff']:+.{digits}f} {m['unit']} {fmt_ci(c['ci95'], digits)}, {fmt_seeds(c['n_seeds'])})"
+        for c in lead_changes(summary)
+    ]
+    if steps:
+        text += (
+            " Its standing against adamw (the lead signed so that + is better), paired by seed: "
+            + "; ".join(steps)
+            + "."
+        )
+    return text
 
 
 def _logit_separation(level: list[str], behind: list[str], mech: dict) -> list[str]:
