@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -322,10 +323,15 @@ def _draw_leads(ax, summary: dict, title: str | None = None) -> None:
         [0.0 if undefined(lead["ci95"][1]) else lead["ci95"][1] - m for m, lead in zip(means, leads)],
     ]
     ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3)
+    if min(xs) > 0 and max(xs) >= 4 * min(xs):  # e.g. doubling training steps: equal spacing per doubling
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel(summary["key"].replace("_", " "))
     m = summary["measure"]
-    ax.set_ylabel(f"stiefel-adam − adamw\n({m['name']}, {m['unit']})")
+    side = "above" if m["higher_is_better"] else "below"  # panels of both kinds sit side by side in REPORT
+    what = textwrap.fill(f"({m['name']}, {m['unit']})", 36)
+    ax.set_ylabel(f"stiefel-adam − adamw\n{what}\n{side} 0: stiefel-adam better", fontsize=8)
     if title:
         ax.set_title(title, fontsize=9)
 
