@@ -217,9 +217,9 @@ def test_study_verdict_when_neither_arm_groks():
     assert "the baseline ahead in 5/5 seeds, -1.7 pp" in _study_verdict(st5, behind, {"adamw": 5, "stiefel-adam": 5})
 
 
-def _fake_grok_record(op, arm, seed, grok_epoch, final_acc):
+def _fake_grok_record(op, arm, seed, grok_epoch, final_acc, weight_decay=1.0):
     return {
-        "config": {"op": op, "arm": arm, "seed": seed, "epochs": 20000},
+        "config": {"op": op, "arm": arm, "seed": seed, "epochs": 20000, "weight_decay": weight_decay},
         "metrics": {
             "final_val_acc": final_acc,
             "epoch_val_acc_95": grok_epoch,
@@ -229,6 +229,28 @@ def _fake_grok_record(op, arm, seed, grok_epoch, final_acc):
         "curves": {"val_acc": [final_acc]},
         "timings": {"epochs_per_s": 30.0},
     }
+
+
+def test_decay_markdown_names_each_runs_weight_decay_and_says_where_every_run_is_censored():
+    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
+
+    records = [
+        _fake_grok_record("+", a, s, None, acc, 0.1)
+        for a, acc in (("adamw", 0.2), ("stiefel-adam", 0.3))
+        for s in range(3)
+    ]
+    records += [_fake_grok_record("+", "adamw", s, None, 0.25) for s in range(3)]
+    records += [_fake_grok_record("+", "stiefel-adam", s, 5000 + s, 1.0) for s in range(3)]
+    md = grok_markdown(grok_summary("decay", records), "cpu")
+    assert "| op | weight decay | arm | seed |" in md
+    assert "| + | 0.1 | stiefel-adam | 2 | 20000 | 30.0 |" in md
+    assert "| + | 1 | stiefel-adam | 0 | 20000 | 100.0 |" in md
+    censored = [line for line in md.splitlines() if "every run is censored" in line]
+    assert censored == [
+        "At weight decay 0.1 every run is censored at the budget (no arm groks), so its lead of 0 says nothing; "
+        "mean final validation accuracy: adamw 20.0%, stiefel-adam 30.0%."
+    ]  # and not at 1.0, where stiefel-adam groks
+    assert "weight decay |" not in grok_markdown(grok_summary("study", records[6:]), "cpu")  # one decay: no column
 
 
 def test_study_markdown_censors_never_grokked_runs_and_prints_undefined_t_as_na():

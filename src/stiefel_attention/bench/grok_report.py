@@ -44,10 +44,12 @@ EPOCHS_TO_GROK = Measure("epochs to 95% validation accuracy (never: budget + 1)"
 def grok_summary(experiment: str, records: list[dict]) -> dict:
     """Per-arm outcomes and, for the study, paired tests (stiefel-adam - adamw) per operation."""
     summary: dict = {"experiment": experiment, "n_records": len(records), "runs": []}
-    for rec in sorted(records, key=lambda r: (r["config"]["op"], r["config"]["arm"], r["config"]["seed"])):
+    order = ("op", "weight_decay", "arm", "seed")
+    for rec in sorted(records, key=lambda r: tuple(r["config"][k] for k in order)):
         c, m = rec["config"], rec["metrics"]
         summary["runs"].append(
             {
+                "weight_decay": c["weight_decay"],
                 "arm": c["arm"],
                 "seed": c["seed"],
                 "op": c["op"],
@@ -223,19 +225,22 @@ def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None) -> s
 
 def grok_markdown(summary: dict, profile: str) -> str:
     exp = summary["experiment"]
+    decays = sorted({r.get("weight_decay") for r in summary["runs"]}, key=str)
+    wd = len(decays) > 1  # a column only where the runs differ in it (the decay experiment)
     lines = [
         f"# Grokking (modular arithmetic) — `{exp}`, profile `{profile}`",
         "",
         f"{fmt_runs(summary)}.",
         "",
-        "| op | arm | seed | epochs | final val acc (%) | best val acc (%) | epoch val acc >= 95% | "
-        "max Q/K isometry error | collapses (survived) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| op | " + "weight decay | " * wd + "arm | seed | epochs | final val acc (%) | best val acc (%) | "
+        "epoch val acc >= 95% | max Q/K isometry error | collapses (survived) |",
+        "|---|" + "---|" * wd + "---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
         cols = r["collapses"]
         lines.append(
-            f"| {r['op']} | {r['arm']} | {r['seed']} | {r['epochs']} | {r['final_val_acc']:.1f} | "
+            f"| {r['op']} | " + f"{r['weight_decay']:g} | " * wd + f"{r['arm']} | {r['seed']} | {r['epochs']} | "
+            f"{r['final_val_acc']:.1f} | "
             f"{r.get('max_val_acc', math.nan):.1f} | "
             f"{r['epoch_val_acc_95'] if r['epoch_val_acc_95'] is not None else 'never'} | {r['max_qk_isometry']:.1e} | "
             f"{len(cols)} ({sum(c['survived'] for c in cols)}) |"
@@ -327,6 +332,20 @@ def grok_markdown(summary: dict, profile: str) -> str:
         lines += controls_markdown(summary["controls"], digits=0)
     if "decay" in summary:
         lines += decay_markdown(summary["decay"], digits=0)
+        for x in decays:
+            runs = [r for r in summary["runs"] if r["weight_decay"] == x]
+            if runs and all(r["epoch_val_acc_95"] is None for r in runs):
+                acc = {
+                    a: statistics.mean(r["final_val_acc"] for r in runs if r["arm"] == a)
+                    for a in dict.fromkeys(r["arm"] for r in runs)
+                }
+                lines += [
+                    f"At weight decay {x:g} every run is censored at the budget (no arm groks), so its lead of 0 "
+                    "says nothing; mean final validation accuracy: "
+                    + ", ".join(f"{a} {v:.1f}%" for a, v in acc.items())
+                    + ".",
+                    "",
+                ]
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"
