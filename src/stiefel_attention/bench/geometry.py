@@ -414,12 +414,23 @@ def _testbed_row(where: str, title: str, controls: dict | None, decay: dict | No
     return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt, _verdict(sens, vs, leads, m, digits, mech))
 
 
+def _sign(m: dict) -> int:
+    """+1 where a higher value of measure m (a Measure.describe()) is better, -1 where a lower one is."""
+    return 1 if m["higher_is_better"] else -1
+
+
+def _favours_arm(m: dict) -> Callable[[dict], bool]:
+    """Whether a comparison (arm − baseline on measure m) has its mean on the arm's side."""
+    sign = _sign(m)
+    return lambda c: sign * c["mean_diff"] > 0
+
+
 def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digits: int, mech: dict) -> str:
     """A sentence computed from the numbers: can the testbed rank Q/K optimizers, whom does the Stiefel
     arm beat, tie or trail, what the controls and the mechanism metrics say about why, and how the lead
     moves with decay."""
     unit = m["unit"]
-    better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
+    better = _favours_arm(m)
     if sens is None:
         parts = ["sensitivity not measured yet"]
     elif sens["n_seeds"] < 2:
@@ -494,7 +505,7 @@ def lead_changes(summary: dict) -> list[dict]:
     standing against adamw, i.e. in the lead signed so that positive is better, over the seeds both values
     have ('from' and 'to' name the values)."""
     key = summary["key"]
-    sign = 1 if summary["measure"]["higher_is_better"] else -1
+    sign = _sign(summary["measure"])
     leads = sorted(summary["leads"], key=lambda lead: lead[key])
     changes = []
     for a, b in zip(leads, leads[1:]):
@@ -517,7 +528,7 @@ def lead_trend(summary: dict, digits: int = 2) -> str:
     leads = sorted(summary["leads"], key=lambda lead: lead[key])
     if not leads:
         return ""
-    better = (lambda c: c["mean_diff"] > 0) if m["higher_is_better"] else (lambda c: c["mean_diff"] < 0)
+    better = _favours_arm(m)
     where: dict[str, list[str]] = {}  # in the order of the values of key
     for lead in leads:
         status = "level with" if not significant(lead) else "ahead of" if better(lead) else "behind"

@@ -225,7 +225,7 @@ def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None) -> s
 
 def grok_markdown(summary: dict, profile: str) -> str:
     exp = summary["experiment"]
-    decays = sorted({r.get("weight_decay") for r in summary["runs"]}, key=str)
+    decays = sorted({r["weight_decay"] for r in summary["runs"]})
     wd = len(decays) > 1  # a column only where the runs differ in it (the decay experiment)
     lines = [
         f"# Grokking (modular arithmetic) — `{exp}`, profile `{profile}`",
