@@ -8,6 +8,7 @@ import pytest
 
 from stiefel_attention.bench.geometry import (
     Measure,
+    all_censored,
     controls_markdown,
     controls_summary,
     decay_markdown,
@@ -16,6 +17,7 @@ from stiefel_attention.bench.geometry import (
     lead_summary,
     lead_trend,
     significant,
+    time_to,
     verdicts_by_testbed,
 )
 
@@ -215,3 +217,65 @@ def test_verdict_says_orthonormality_is_not_necessary_and_which_logits_separate_
     text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
     assert "; that they stay orthonormal does" in text and "not held orthonormal" not in text
     assert "largest attention logit" not in text
+
+
+def _grok_decay_records() -> list[dict]:
+    """adamw and stiefel-adam at three weight decays. The metric 'first' is the epoch of grokking (None: never,
+    the value is then the budget + 1); 'final' the final accuracy. At 0.1 and 0.3 no run groks and stiefel-adam
+    ends 6 and 10 pp higher by seed; at 1 stiefel-adam groks, adamw does not."""
+    recs = []
+    for wd, gap in ((0.1, 6.0), (0.3, 10.0), (1.0, None)):
+        for s in range(5):
+            for arm in ("adamw", "stiefel-adam"):
+                first = 4000 + 100 * s if (gap is None and arm == "stiefel-adam") else None
+                final = 20.0 + s + (0.0 if arm == "adamw" else gap if gap is not None else 80.0 - s)
+                final += 0.5 * (-1) ** s * (arm == "stiefel-adam")  # seed noise on the differences
+                recs.append(
+                    {
+                        "config": {"arm": arm, "seed": s, "weight_decay": wd, "epochs": 20000},
+                        "metrics": {"first": first, "final": final},
+                        "curves": {},
+                    }
+                )
+    return recs
+
+
+FINAL = Measure("final acc", "pp", lambda r: r["metrics"]["final"], higher_is_better=True)
+TO_GROK = time_to("epochs to grok", "epochs", "first", "epochs", FINAL)  # never: 20000 + 1
+
+
+def test_a_weight_decay_where_every_run_is_censored_has_no_lead_and_is_compared_on_the_fallback():
+    recs = _grok_decay_records()
+    s = decay_summary(recs, TO_GROK)
+    by = {lead["weight_decay"]: lead for lead in s["leads"]}
+    assert by[0.1]["all_censored"] and by[0.3]["all_censored"] and "all_censored" not in by[1.0]
+    assert "fallback" not in by[1.0] and s["fallback_measure"] == FINAL.describe()
+    assert by[0.1]["fallback"]["mean_diff"] == pytest.approx(6.0 + 0.5 / 5)  # seeds 0, 2, 4 get +0.5, 1 and 3 -0.5
+    assert by[0.1]["fallback"]["arms"]["adamw"]["mean"] == pytest.approx(22.0)
+    assert by[1.0]["mean_diff"] == pytest.approx(4200 - 20001)
+    text = lead_trend(s, digits=0)
+    assert text.startswith("stiefel-adam is ahead of adamw at weight decay 1 (")
+    assert "level with" not in text.split("Where every run is censored")[0]  # a censored 0 is no tie
+    assert "At weight decay 0.1, 0.3 every run of both arms is censored at the budget, so there is no lead" in text
+    assert "weight decay 0.1 → 0.3 not measured (every run at 0.1, 0.3 censored)" in text
+    assert "weight decay 0.3 → 1 not measured (every run at 0.3 censored)" in text
+    assert "stiefel-adam − adamw at weight decay 0.1 +6.10 pp [" in text and "(adamw 22.00, stiefel-adam 28.10)" in text
+    assert "its standing on it, paired by seed: weight decay 0.1 → 0.3 improves (+4.00 pp [" in text
+    row = next(line for line in decay_markdown(s, digits=0) if line.startswith("| 0.1 |"))
+    assert row == "| 0.1 | 20001 | 20001 | every run censored | n/a | n/a | n/a | 5 |"
+    # a measure without a budget never censors, and one run that groks is enough to measure a lead
+    assert not all_censored(recs, FINAL) and not all_censored(recs[-10:], TO_GROK) and all_censored(recs[:10], TO_GROK)
+    assert "fallback_measure" not in decay_summary(recs, FINAL)
+
+
+def test_report_row_and_verdict_use_the_fallback_where_every_run_is_censored(tmp_path):
+    _write(tmp_path, "grok", decay=decay_summary(_grok_decay_records(), TO_GROK))
+    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
+    assert "wd 0.1: every run censored; final acc +6.10 pp [" in text and "wd 1: -15801 [" in text
+    assert "0.1 → 0.3 not measured (every run at 0.1, 0.3 censored), 0.3 → 1 not measured" in text
+    assert "where every run is censored, on final acc stiefel-adam is ahead of adamw at weight decay 0.1, 0.3" in text
+    assert (tmp_path / "geometry_decay.png").exists()
+    one = [r for r in _grok_decay_records() if r["config"]["weight_decay"] != 0.3 or r["config"]["seed"] == 0]
+    (tmp_path / "grok" / "decay" / "summary.json").write_text(json.dumps({"decay": decay_summary(one, TO_GROK)}))
+    text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
+    assert "ahead of adamw at weight decay 0.1; one seed only against adamw at weight decay 0.3" in text

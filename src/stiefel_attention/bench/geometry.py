@@ -30,6 +30,8 @@ from .stats import describe, paired_comparison
 
 __all__ = [
     "Measure",
+    "all_censored",
+    "time_to",
     "controls_summary",
     "decay_summary",
     "mechanism_curves",
@@ -46,13 +48,42 @@ PLOTTED_METRICS = ("entropy_frac", "stable_rank", "max_logit", "spectral_norm")
 
 
 class Measure:
-    """How a family scores a run: name, unit, value(record) and whether higher is better."""
+    """How a family scores a run: name, unit, value(record) and whether higher is better.
 
-    def __init__(self, name: str, unit: str, value: Callable[[dict], float], higher_is_better: bool):
+    A time to a threshold also says, by censored(record), whether the run never got there (its value is then
+    the budget + 1, a bound), and names the fallback measure that still tells such runs apart.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        unit: str,
+        value: Callable[[dict], float],
+        higher_is_better: bool,
+        censored: Callable[[dict], bool] | None = None,
+        fallback: Measure | None = None,
+    ):
         self.name, self.unit, self.value, self.higher_is_better = name, unit, value, higher_is_better
+        self.censored, self.fallback = censored, fallback
 
     def describe(self) -> dict:
         return {"name": self.name, "unit": self.unit, "higher_is_better": self.higher_is_better}
+
+
+def time_to(name: str, unit: str, first: str, budget: str, fallback: Measure) -> Measure:
+    """A time to a threshold (lower is better): metrics[first], or, for a run that never got there (None),
+    config[budget] + 1, a lower bound on its time. Such a run is censored; fallback still tells them apart."""
+
+    def value(rec: dict) -> float:
+        reached = rec["metrics"][first]
+        return float(reached if reached is not None else rec["config"][budget] + 1)
+
+    return Measure(name, unit, value, False, censored=lambda rec: rec["metrics"][first] is None, fallback=fallback)
+
+
+def all_censored(records: list[dict], measure: Measure) -> bool:
+    """Whether there are records and every one is censored on measure (never so for a measure without a budget)."""
+    return measure.censored is not None and bool(records) and all(measure.censored(r) for r in records)
 
 
 def _table(records: list[dict], measure: Measure, label=lambda c: c["arm"]) -> dict[str, dict[int, float]]:
@@ -134,16 +165,34 @@ def controls_summary(records: list[dict], measure: Measure) -> dict:
 
 def lead_summary(records: list[dict], measure: Measure, key: str = "weight_decay") -> dict:
     """Per value of config[key] (weight decay, training steps, ...): both arms and the paired
-    stiefel-adam - adamw lead."""
+    stiefel-adam - adamw lead.
+
+    A value at which every run of both arms is censored has no lead on the measure (both sit at the budget):
+    its lead is flagged all_censored and carries the paired comparison on the measure's fallback instead."""
     leads = []
     arms = {}
     for x in sorted({r["config"][key] for r in records}):
-        table = _table([r for r in records if r["config"][key] == x], measure)
+        at = [r for r in records if r["config"][key] == x]
+        table = _table(at, measure)
         arms[f"{x:g}"] = {a: describe(list(v.values())) for a, v in table.items()}
         st = compare(table, "stiefel-adam", "adamw")
-        if st is not None:
-            leads.append({**st, key: x})
-    return {"measure": measure.describe(), "key": key, "arms_by_value": arms, "leads": leads}
+        if st is None:
+            continue
+        lead = {**st, key: x}
+        pair = [r for r in at if r["config"]["arm"] in ("stiefel-adam", "adamw") and r["config"]["seed"] in st["seeds"]]
+        if all_censored(pair, measure):
+            lead["all_censored"] = True
+            if measure.fallback is not None:
+                fb = _table(pair, measure.fallback)
+                lead["fallback"] = {
+                    **compare(fb, "stiefel-adam", "adamw"),
+                    "arms": {a: describe(list(v.values())) for a, v in fb.items()},
+                }
+        leads.append(lead)
+    out = {"measure": measure.describe(), "key": key, "arms_by_value": arms, "leads": leads}
+    if any("fallback" in lead for lead in leads):
+        out["fallback_measure"] = measure.fallback.describe()
+    return out
 
 
 def decay_summary(records: list[dict], measure: Measure) -> dict:
@@ -264,11 +313,15 @@ def decay_markdown(summary: dict, digits: int = 2) -> list[str]:
     ]
     for lead in summary["leads"]:
         arms = summary["arms_by_value"][f"{lead[key]:g}"]
+        stats = (
+            "every run censored | n/a | n/a | n/a"
+            if lead.get("all_censored")
+            else f"{lead['mean_diff']:+.{digits}f} | {fmt_ci(lead['ci95'], digits)} | {fmt_p(lead['p_t'])} | "
+            f"{fmt_p(lead['p_wilcoxon'])}"
+        )
         lines.append(
             f"| {lead[key]:g} | {arms['adamw']['mean']:.{digits}f} | "
-            f"{arms['stiefel-adam']['mean']:.{digits}f} | {lead['mean_diff']:+.{digits}f} | "
-            f"{fmt_ci(lead['ci95'], digits)} | {fmt_p(lead['p_t'])} | {fmt_p(lead['p_wilcoxon'])} | "
-            f"{lead['n_seeds']} |"
+            f"{arms['stiefel-adam']['mean']:.{digits}f} | {stats} | {lead['n_seeds']} |"
         )
     trend = lead_trend(summary, digits)
     return lines + ["", *([trend, ""] if trend else [])]
@@ -314,7 +367,9 @@ def lead_plot(summary: dict, out_dir: Path, made: list[str]) -> None:
 
 
 def _draw_leads(ax, summary: dict, title: str | None = None) -> None:
-    leads = summary["leads"]
+    every = [lead[summary["key"]] for lead in summary["leads"]]
+    leads = [lead for lead in summary["leads"] if not lead.get("all_censored")]
+    censored = [x for x in every if x not in {lead[summary["key"]] for lead in leads}]
     xs = [lead[summary["key"]] for lead in leads]
     means = [lead["mean_diff"] for lead in leads]
     # one seed leaves the interval undefined (NaN, or null once through strict JSON): no bar then
@@ -322,10 +377,14 @@ def _draw_leads(ax, summary: dict, title: str | None = None) -> None:
         [0.0 if undefined(lead["ci95"][0]) else m - lead["ci95"][0] for m, lead in zip(means, leads)],
         [0.0 if undefined(lead["ci95"][1]) else lead["ci95"][1] - m for m, lead in zip(means, leads)],
     ]
-    ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3)
-    if min(xs) > 0 and max(xs) >= 4 * min(xs):  # e.g. doubling training steps: equal spacing per doubling
+    if leads:
+        ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3)
+    if censored:  # no lead there: both arms sit at the budget
+        ax.plot(censored, [0.0] * len(censored), "x", color="grey", label="every run censored: no lead")
+        ax.legend(fontsize=7)
+    if min(every) > 0 and max(every) >= 4 * min(every):  # e.g. doubling training steps: equal spacing per doubling
         ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.set_xticks(every, [f"{x:g}" for x in every])
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel(summary["key"].replace("_", " "))
     m = summary["measure"]
@@ -403,15 +462,24 @@ def _testbed_row(where: str, title: str, controls: dict | None, decay: dict | No
     sens_txt = fmt_diff(sens, unit, digits) if sens else "not run"
     vs_txt = "; ".join(f"{c['baseline']}: {fmt_diff(c, unit, digits)}" for c in vs) or "not run"
     leads = (decay or {}).get("leads", [])
-    lead_txt = (
-        "; ".join(
-            f"wd {lead['weight_decay']:g}: {lead['mean_diff']:+.{digits}f} {fmt_ci(lead['ci95'], digits)}"
-            for lead in leads
-        )
-        or "not run"
-    )
+    lead_txt = "; ".join(f"wd {lead['weight_decay']:g}: {_lead_cell(lead, decay, digits)}" for lead in leads)
     mech = (controls or {}).get("mechanism", {})
-    return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt, _verdict(sens, vs, leads, m, digits, mech))
+    verdict = _verdict(sens, vs, leads, m, digits, mech, (decay or {}).get("fallback_measure"))
+    return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt or "not run", verdict)
+
+
+def _lead_cell(lead: dict, decay: dict, digits: int) -> str:
+    """One lead of a decay summary: mean and CI, or, where every run is censored, its fallback comparison."""
+    if not lead.get("all_censored"):
+        return f"{lead['mean_diff']:+.{digits}f} {fmt_ci(lead['ci95'], digits)}"
+    if "fallback" not in lead:
+        return "every run censored"
+    fb = decay["fallback_measure"]
+    fb_digits = DIGITS.get(fb["unit"], 2)
+    return (
+        f"every run censored; {fb['name']} {lead['fallback']['mean_diff']:+.{fb_digits}f} {fb['unit']} "
+        f"{fmt_ci(lead['fallback']['ci95'], fb_digits)}"
+    )
 
 
 def _sign(m: dict) -> int:
@@ -425,7 +493,9 @@ def _favours_arm(m: dict) -> Callable[[dict], bool]:
     return lambda c: sign * c["mean_diff"] > 0
 
 
-def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digits: int, mech: dict) -> str:
+def _verdict(
+    sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digits: int, mech: dict, fallback: dict | None = None
+) -> str:
     """A sentence computed from the numbers: can the testbed rank Q/K optimizers, whom does the Stiefel
     arm beat, tie or trail, what the controls and the mechanism metrics say about why, and how the lead
     moves with decay."""
@@ -490,25 +560,55 @@ def _verdict(sens: dict | None, vs: list[dict], leads: list[dict], m: dict, digi
         parts += _logit_separation(["stiefel-adam", *tied], ahead, mech)
     if len(leads) >= 2:
         steps = ", ".join(
-            f"{c['from']:g} → {c['to']:g} {_CHANGE_WORDS[change_direction(c)]}"
+            f"{c['from']:g} → {c['to']:g} {_change_words(c)}"
             for c in lead_changes({"measure": m, "key": "weight_decay", "leads": leads})
         )
         parts.append(f"stiefel-adam's standing against adamw as weight decay grows (paired by seed): {steps}")
+    where = _standing({lead["weight_decay"]: lead["fallback"] for lead in leads if "fallback" in lead}, fallback or {})
+    if where:
+        parts.append(
+            f"where every run is censored, on {fallback['name']} stiefel-adam is "
+            + "; ".join(f"{s} adamw at weight decay {', '.join(v)}" for s, v in where.items())
+        )
     return "; ".join(parts)
 
 
 _CHANGE_WORDS = {1: "improves", -1: "worsens", 0: "no significant change"}
 
 
+def _change_words(change: dict) -> str:
+    if "censored_at" in change:
+        return f"not measured (every run at {', '.join(f'{x:g}' for x in change['censored_at'])} censored)"
+    return _CHANGE_WORDS[change_direction(change)]
+
+
+def _standing(leads: dict, m: dict) -> dict[str, list[str]]:
+    """{'ahead of' | 'level with' | 'behind' | 'one seed only against': [values]} from {value: stiefel-adam -
+    adamw comparison}, in the order of the values."""
+    where: dict[str, list[str]] = {}
+    for x, lead in sorted(leads.items()):
+        if lead["n_seeds"] < 2:
+            status = "one seed only against"
+        else:
+            status = "level with" if not significant(lead) else "ahead of" if _favours_arm(m)(lead) else "behind"
+        where.setdefault(status, []).append(f"{x:g}")
+    return where
+
+
 def lead_changes(summary: dict) -> list[dict]:
     """Between consecutive values of summary['key'] (a lead_summary): the paired change in stiefel-adam's
     standing against adamw, i.e. in the lead signed so that positive is better, over the seeds both values
-    have ('from' and 'to' name the values)."""
+    have ('from' and 'to' name the values). Where every run at either value is censored there is no lead to
+    change: the entry lists such values as censored_at instead."""
     key = summary["key"]
     sign = _sign(summary["measure"])
     leads = sorted(summary["leads"], key=lambda lead: lead[key])
     changes = []
     for a, b in zip(leads, leads[1:]):
+        if a.get("all_censored") or b.get("all_censored"):
+            censored_at = [lead[key] for lead in (a, b) if lead.get("all_censored")]
+            changes.append({"from": a[key], "to": b[key], "censored_at": censored_at})
+            continue
         da, db = dict(zip(a["seeds"], a["diffs"])), dict(zip(b["seeds"], b["diffs"]))
         seeds = sorted(set(da) & set(db))
         st = paired_comparison([sign * db[s] for s in seeds], [sign * da[s] for s in seeds])
@@ -517,37 +617,75 @@ def lead_changes(summary: dict) -> list[dict]:
 
 
 def change_direction(change: dict) -> int:
-    """+1 / -1 where the standing improves / worsens significantly (the 95% CI excludes 0), else 0."""
-    return 0 if not significant(change) else 1 if change["mean_diff"] > 0 else -1
+    """+1 / -1 where the standing improves / worsens significantly (the 95% CI excludes 0), else 0 (also where
+    it was not measured)."""
+    return 0 if "ci95" not in change or not significant(change) else 1 if change["mean_diff"] > 0 else -1
 
 
 def lead_trend(summary: dict, digits: int = 2) -> str:
     """Sentences computed from a lead_summary: where stiefel-adam is significantly ahead of, level with or
-    behind adamw, and how its standing changes from each value of summary['key'] to the next, paired by seed."""
+    behind adamw, and how its standing changes from each value of summary['key'] to the next, paired by seed.
+    Values where every run is censored have no lead; where the measure has a fallback, the same is said of it."""
     m, key = summary["measure"], summary["key"]
     leads = sorted(summary["leads"], key=lambda lead: lead[key])
     if not leads:
         return ""
-    better = _favours_arm(m)
-    where: dict[str, list[str]] = {}  # in the order of the values of key
-    for lead in leads:
-        status = "level with" if not significant(lead) else "ahead of" if better(lead) else "behind"
-        where.setdefault(status, []).append(f"{lead[key]:g}")
     name = key.replace("_", " ")
-    text = "stiefel-adam is " + "; ".join(f"{s} adamw at {name} {', '.join(v)}" for s, v in where.items())
-    text += " (ahead or behind: the paired 95% CI excludes 0)."
+    sentences = []
+    where = _standing({lead[key]: lead for lead in leads if not lead.get("all_censored")}, m)
+    if where:
+        sentences.append(
+            "stiefel-adam is "
+            + "; ".join(f"{s} adamw at {name} {', '.join(v)}" for s, v in where.items())
+            + " (ahead or behind: the paired 95% CI excludes 0)."
+        )
+    censored = [lead for lead in leads if lead.get("all_censored")]
+    if censored:
+        sentences.append(
+            f"At {name} {', '.join(f'{lead[key]:g}' for lead in censored)} every run of both arms is censored at "
+            "the budget, so there is no lead to measure."
+        )
     steps = [
-        f"{name} {c['from']:g} → {c['to']:g} {_CHANGE_WORDS[change_direction(c)]} "
-        f"({c['mean_diff']:+.{digits}f} {m['unit']} {fmt_ci(c['ci95'], digits)}, {fmt_seeds(c['n_seeds'])})"
+        f"{name} {c['from']:g} → {c['to']:g} {_change_words(c)}" + _change_stats(c, m, digits)
         for c in lead_changes(summary)
     ]
     if steps:
-        text += (
-            " Its standing against adamw (the lead signed so that + is better), paired by seed: "
+        sentences.append(
+            "Its standing against adamw (the lead signed so that + is better), paired by seed: "
             + "; ".join(steps)
             + "."
         )
-    return text
+    if "fallback_measure" in summary:
+        sentences.append(_fallback_trend(summary, leads))
+    return " ".join(sentences)
+
+
+def _change_stats(change: dict, m: dict, digits: int) -> str:
+    if "censored_at" in change:
+        return ""
+    ci = fmt_ci(change["ci95"], digits)
+    return f" ({change['mean_diff']:+.{digits}f} {m['unit']} {ci}, {fmt_seeds(change['n_seeds'])})"
+
+
+def _fallback_trend(summary: dict, leads: list[dict]) -> str:
+    """The fallback measure's stiefel-adam - adamw comparison at the values where every run is censored, and
+    its paired change between such values that are neighbours."""
+    fb, key = summary["fallback_measure"], summary["key"]
+    name = key.replace("_", " ")
+    digits = DIGITS.get(fb["unit"], 2)
+    fb_leads = [{**lead["fallback"], key: lead[key]} for lead in leads if "fallback" in lead]
+    parts = []
+    for lead in fb_leads:
+        means = ", ".join(f"{a} {lead['arms'][a]['mean']:.{digits}f}" for a in ("adamw", "stiefel-adam"))
+        parts.append(f"at {name} {lead[key]:g} {fmt_diff(lead, fb['unit'], digits)} ({means})")
+    text = f"Where every run is censored, {fb['name']} tells the arms apart: stiefel-adam − adamw " + "; ".join(parts)
+    neighbours = {(a[key], b[key]) for a, b in zip(leads, leads[1:])}
+    changes = [
+        f"{name} {c['from']:g} → {c['to']:g} {_change_words(c)}" + _change_stats(c, fb, digits)
+        for c in lead_changes({"measure": fb, "key": key, "leads": fb_leads})
+        if (c["from"], c["to"]) in neighbours
+    ]
+    return text + (f"; its standing on it, paired by seed: {'; '.join(changes)}." if changes else ".")
 
 
 def _logit_separation(level: list[str], behind: list[str], mech: dict) -> list[str]:

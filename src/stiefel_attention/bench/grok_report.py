@@ -18,6 +18,7 @@ from .geometry import (
     decay_summary,
     lead_plot,
     mechanism_plot,
+    time_to,
 )
 from .report import write_experiment
 from .stats import paired_comparison
@@ -32,13 +33,10 @@ GROK_THRESHOLD = 0.95  # validation accuracy that counts as grokked, in runs and
 SLINGSHOT_OPS = ("/", "+")
 
 
-def _epochs_to_grok(rec: dict) -> float:
-    """Epochs to 95% validation accuracy; a run that never gets there counts as its budget + 1 (a lower bound)."""
-    first = rec["metrics"]["epoch_val_acc_95"]
-    return float(first if first is not None else rec["config"]["epochs"] + 1)
-
-
-EPOCHS_TO_GROK = Measure("epochs to 95% validation accuracy (never: budget + 1)", "epochs", _epochs_to_grok, False)
+FINAL_VAL_ACC = Measure("final validation accuracy", "pp", lambda r: 100 * r["metrics"]["final_val_acc"], True)
+EPOCHS_TO_GROK = time_to(
+    "epochs to 95% validation accuracy (never: budget + 1)", "epochs", "epoch_val_acc_95", "epochs", FINAL_VAL_ACC
+)
 
 
 def grok_summary(experiment: str, records: list[dict]) -> dict:
@@ -332,20 +330,6 @@ def grok_markdown(summary: dict, profile: str) -> str:
         lines += controls_markdown(summary["controls"], digits=0)
     if "decay" in summary:
         lines += decay_markdown(summary["decay"], digits=0)
-        for x in decays:
-            runs = [r for r in summary["runs"] if r["weight_decay"] == x]
-            if runs and all(r["epoch_val_acc_95"] is None for r in runs):
-                acc = {
-                    a: statistics.mean(r["final_val_acc"] for r in runs if r["arm"] == a)
-                    for a in dict.fromkeys(r["arm"] for r in runs)
-                }
-                lines += [
-                    f"At weight decay {x:g} every run is censored at the budget (no arm groks), so its lead of 0 "
-                    "says nothing; mean final validation accuracy: "
-                    + ", ".join(f"{a} {v:.1f}%" for a, v in acc.items())
-                    + ".",
-                    "",
-                ]
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"

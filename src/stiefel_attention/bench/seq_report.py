@@ -12,6 +12,7 @@ from .fmt import fmt_ci, fmt_num, fmt_runs, fmt_seeds
 from .geometry import (
     SENSITIVITY,
     Measure,
+    all_censored,
     controls_markdown,
     controls_summary,
     decay_markdown,
@@ -21,6 +22,7 @@ from .geometry import (
     sensitivity,
     sweep_markdown,
     sweep_summary,
+    time_to,
 )
 from .report import write_experiment
 from .stats import describe
@@ -28,22 +30,16 @@ from .stats import describe
 __all__ = ["VAL_LOSS", "STEPS_TO_SOLVE", "write_lm_report", "write_mqar_report"]
 
 VAL_LOSS = Measure("validation loss", "nats/char", lambda r: r["metrics"]["final_val_loss"], higher_is_better=False)
-
-
-def _steps_to_solve(rec: dict) -> float:
-    """Steps to 99% test accuracy; a run that never gets there counts as its budget + 1 (a lower bound)."""
-    first = rec["metrics"]["step_eval_acc_99"]
-    return float(first if first is not None else rec["config"]["steps"] + 1)
-
-
-STEPS_TO_SOLVE = Measure("steps to 99% test accuracy (never: budget + 1)", "steps", _steps_to_solve, False)
 FINAL_ACC = Measure("final test accuracy", "pp", lambda r: 100 * r["metrics"]["final_eval_acc"], True)
+STEPS_TO_SOLVE = time_to(
+    "steps to 99% test accuracy (never: budget + 1)", "steps", "step_eval_acc_99", "steps", FINAL_ACC
+)
 # The sweep: steps to 99% on the validation set, minus the final accuracy, which only breaks ties between rates
 # that never reach 99% (the steps differ by at least eval_every otherwise).
 _SWEEP_SCORE = Measure(
     "steps to 99% validation accuracy minus final accuracy",
     "steps",
-    lambda r: _steps_to_solve(r) - r["metrics"]["final_eval_acc"],
+    lambda r: STEPS_TO_SOLVE.value(r) - r["metrics"]["final_eval_acc"],
     False,
 )
 
@@ -174,7 +170,7 @@ def _difficulty(records: list[dict]) -> list[dict]:
         table[(rec["config"]["n_pairs"], rec["config"]["arm"])].append(rec)
     rows = []
     for (pairs, arm), recs in sorted(table.items()):
-        steps = sorted(_steps_to_solve(r) for r in recs)
+        steps = sorted(STEPS_TO_SOLVE.value(r) for r in recs)
         rows.append(
             {
                 "n_pairs": pairs,
@@ -217,7 +213,7 @@ def mqar_summary(experiment: str, records: list[dict]) -> dict:
                 "steps": sensitivity(level, STEPS_TO_SOLVE),
                 "final_acc": sensitivity(level, FINAL_ACC),
                 # steps to 99% then compare two budgets: only the final accuracy tells the arms apart
-                "all_censored": bool(pair) and all(r["metrics"]["step_eval_acc_99"] is None for r in pair),
+                "all_censored": all_censored(pair, STEPS_TO_SOLVE),
             }
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
