@@ -52,9 +52,9 @@ PROFILES: dict[str, dict] = {
         tuned={},
         **_NANOGPT,
     ),
-    # About 3 min of one core per run. Sized for the sensitivity line of REPORT.md: at the profile's rates
-    # on the sweep split (seed 0), adamw - frozen was -0.033 nats/char after 800 steps (2.39 vs 2.43, near
-    # the bigram regime) and -0.091 after 2400 (2.10 vs 2.19), so the profile trains for 2400.
+    # About 3 min of one core per run. The number of steps is sized so that trained Q/K beat frozen ones (the
+    # sensitivity line of REPORT.md), chosen on the sweep split as commit c009f98 describes; results/lm/main
+    # measures that sensitivity at this size.
     "cpu": dict(
         model=dict(d_model=64, n_layers=2, n_heads=4, head_dim=16, mlp_ratio=4),
         context=64,
