@@ -20,6 +20,7 @@ from stiefel_attention.bench import cifar, cli, grok
 from stiefel_attention.bench import family as family_module
 from stiefel_attention.bench.cifar10 import ENV_CACHE, ENV_CIFAR10
 from stiefel_attention.bench.cifar_report import cifar_summary, write_cifar_report
+from stiefel_attention.bench.family import with_data
 from stiefel_attention.bench.records import Cell, write_json_atomic
 from stiefel_attention.bench.report import rebuild_all, verdict
 from stiefel_attention.bench.runner import InlineExecutor, LocalExecutor, run_cells
@@ -47,7 +48,7 @@ def fake_cifar(tmp_path_factory) -> str:
 
 
 def _smoke_cells(experiment: str, data: str, seeds: int = 2) -> list[Cell]:
-    cells = cifar.cells(experiment, "smoke", seeds, n=N_TRAIN)
+    cells = with_data(cifar.cells(experiment, "smoke", seeds, n=N_TRAIN), cifar.FAMILY.data_key({"data": data}))
     out = []
     for c in cells:
         cfg = dict(c.config, n_test=None, epochs=1)
@@ -342,7 +343,7 @@ def test_reproduce_certifies_runs_every_step_and_writes_the_report(fake_cifar, t
     assert "claim by claim:" in capsys.readouterr().out
     # a results folder of another profile is refused before anything runs
     assert cli.main(["reproduce", "--profile", "cpu", "--data", fake_cifar, "--out", str(out), "--no-progress"]) == 2
-    assert "holds records of profile smoke" in capsys.readouterr().err
+    assert "holds runs of profile smoke (records)" in capsys.readouterr().err
 
 
 def test_cli_smoke_on_generated_data(fake_cifar, tmp_path, capsys):
@@ -457,7 +458,7 @@ def test_an_unreadable_record_is_skipped_with_a_warning(tmp_path, capsys):
     from stiefel_attention.bench.records import read_record
     from stiefel_attention.bench.report import load_records
 
-    good = {"family": "grok", "name": "a", "config": {"profile": "smoke"}}
+    good = {"family": "grok", "name": "a", "key": "k", "config": {"profile": "smoke"}, "metrics": {}}
     (tmp_path / "a.json").write_text(json.dumps(good))
     (tmp_path / "b.json").write_text('{"family": "grok", "name": "b", "conf')  # a truncated copy
     assert read_record(tmp_path / "missing.json") is None and capsys.readouterr().err == ""

@@ -103,7 +103,7 @@ def test_arms_of_a_seed_share_init_and_order_and_differ_across_seeds(family, cor
     opts = {"data": str(corpus_file)} if family is lm else {}
     records = {}
     for arm, seed in (("adamw", 0), ("stiefel-adam", 0), ("orthogonal-param", 0), ("adamw", 1)):
-        cfg = family.make_config("smoke", arm, seed, steps=4, eval_every=2)
+        cfg = {**family.make_config("smoke", arm, seed, steps=4, eval_every=2), **family.FAMILY.data_key(opts)}
         records[(arm, seed)] = family.run(cfg, **opts)
     base = records[("adamw", 0)]["pairing"]
     for arm in ("stiefel-adam", "orthogonal-param"):
@@ -116,7 +116,10 @@ def test_arms_of_a_seed_share_init_and_order_and_differ_across_seeds(family, cor
 
 
 def test_lm_record_has_a_readable_sample_and_its_metric(corpus_file):
-    cfg = lm.make_config("smoke", "stiefel-adam", 0, steps=6, eval_every=3)
+    cfg = {
+        **lm.make_config("smoke", "stiefel-adam", 0, steps=6, eval_every=3),
+        **lm.FAMILY.data_key({"data": corpus_file}),
+    }
     rec = lm.run(cfg, data=str(corpus_file))
     assert len(rec["sample"]) == 1 + lm.SAMPLE_CHARS and set(rec["sample"]) <= set(TEXT)
     assert rec["metrics"]["final_val_loss"] == rec["curves"]["val_loss"][-1] > 0

@@ -1,6 +1,6 @@
 """stiefel-attention: attention with W_Q, W_K as frames on St(d, r), trained by a Riemannian Adam."""
 
-from .convert import register_adapter, stiefelize, unstiefelize
+from .convert import register_adapter, reset_frames, stiefelize, unstiefelize
 from .manifold import isometry_error, polar_retract, project_tangent, random_frame
 from .nn import Block, StiefelAttention, frames, qk_matrices, qk_parameters
 from .optim import NonFiniteGradientError, StiefelAdam, StiefelSGD, param_groups
@@ -22,6 +22,7 @@ __all__ = [
     "StiefelSGD",
     "param_groups",
     "register_adapter",
+    "reset_frames",
     "stiefelize",
     "unstiefelize",
 ]

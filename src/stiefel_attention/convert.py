@@ -28,7 +28,16 @@ from torch.nn.utils import parametrize
 from .manifold import polar_retract, random_frame
 from .nn import FrameParametrization
 
-__all__ = ["Projection", "Adapter", "register_adapter", "adapters", "stiefelize", "unstiefelize", "StiefelizeError"]
+__all__ = [
+    "Projection",
+    "Adapter",
+    "register_adapter",
+    "adapters",
+    "reset_frames",
+    "stiefelize",
+    "unstiefelize",
+    "StiefelizeError",
+]
 
 log = logging.getLogger("stiefel_attention")
 INITS = ("orthonormal", "nearest")
@@ -99,7 +108,9 @@ class StiefelProjection(FrameParametrization):
         return torch.cat(blocks, dim=0 if self.rows else 1)
 
     def qk_change(self, before: Tensor, after: Tensor) -> float:
-        """||W_QK' - W_QK||_F / ||W_QK||_F over the query and key blocks (the rest does not change)."""
+        """||W_QK' - W_QK||_F / ||W_QK||_F over the query and key blocks (the rest does not change); NaN on meta."""
+        if before.is_meta:
+            return float("nan")
         widths = [self._width(kind, n) for kind, n in self.pieces]
         dim = 0 if self.rows else 1
         pairs = [
@@ -261,11 +272,17 @@ def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
             "Register another type with stiefel_attention.convert.register_adapter(Adapter(name, matches, "
             "projections)), where projections(module) says which weight holds W_Q and W_K (a Projection)."
         )
-    report = {}
-    for name, module, adapter in found:
-        for p in adapter.projections(module):
+    # Every module is checked before any is converted: a refusal leaves the model as it was.
+    planned = [(name, module, adapter, adapter.projections(module)) for name, module, adapter in found]
+    for name, _, _, projections in planned:
+        for p in projections:
             if parametrize.is_parametrized(p.owner, p.name):
-                raise StiefelizeError(f"{name}: {p.name} is already parametrized (stiefelize twice?)")
+                raise StiefelizeError(
+                    f"{name}: {p.name} is already parametrized (stiefelize twice?); nothing was converted"
+                )
+    report = {}
+    for name, module, adapter, projections in planned:
+        for p in projections:
             weight = getattr(p.owner, p.name)
             before = weight.detach().clone()
             d_model = weight.shape[1] if p.rows else weight.shape[0]
@@ -287,6 +304,22 @@ def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
             worst[1]["relative_change"],
             worst[0],
         )
+    return model
+
+
+@torch.no_grad()
+def reset_frames(model: nn.Module) -> nn.Module:
+    """Draw every frame of the model afresh (Haar-random, in place, on its device); returns model.
+
+    Covers the W_Q, W_K of `StiefelAttention` (qk="stiefel" or "frozen") and the frame originals of
+    `stiefelize`d modules. For a model built on the meta device and then `to_empty`-ed, whose memory is
+    uninitialised: initialise the rest as the model does (its own init, `reset_parameters`), then call this.
+    A fused projection's other block (its V part) is an ordinary tensor and is not touched here.
+    """
+    from .nn import frames
+
+    for _, p in frames(model, include_frozen=True):
+        p.copy_(random_frame(*p.shape[:-2], d=p.shape[-2], r=p.shape[-1], dtype=p.dtype, device=p.device))
     return model
 
 

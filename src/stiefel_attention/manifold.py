@@ -205,7 +205,7 @@ def random_frame(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """Haar-distributed random frames of shape (*batch, d, r).
+    """Haar-distributed random frames of shape (*batch, d, r), on `device` (default: torch's default device).
 
     QR of a Gaussian matrix is Haar only after fixing the signs of R's diagonal (otherwise the
     distribution depends on the QR implementation's sign convention).
@@ -222,6 +222,8 @@ def random_frame(
     signs = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))
     signs = torch.where(signs == 0, torch.ones_like(signs), signs)
     Q = Q * signs.unsqueeze(-2)
+    # device None: the default device (`with torch.device("meta"):` included), as torch's factories do
+    device = device if device is not None else torch.get_default_device()
     return Q.to(dtype=cd, device=device).to(dtype).contiguous()
 
 

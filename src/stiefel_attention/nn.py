@@ -112,11 +112,7 @@ class StiefelAttention(nn.Module):
         self.qk, self.qk_init, self.causal = qk, qk_init, causal
         self.qk_norm, self.temperature, self.qk_layout = qk_norm, temperature, qk_layout
 
-        # Both initialisations are drawn in every mode (see the module docstring).
-        ortho = random_frame(2, n_heads, d=d_model, r=head_dim)  # (2, H, D, r)
-        bound = 1.0 / math.sqrt(d_model)
-        standard = torch.empty(2, n_heads, d_model, head_dim).uniform_(-bound, bound)
-        init = ortho if qk_init == "orthonormal" else standard
+        init = self._draw_qk()  # (2, H, D, r)
         trainable = qk != "frozen"
         self.w_q = nn.Parameter(init[0].clone(), requires_grad=trainable)  # (H, D, r)
         self.w_k = nn.Parameter(init[1].clone(), requires_grad=trainable)  # (H, D, r)
@@ -137,6 +133,36 @@ class StiefelAttention(nn.Module):
                     parametrize.register_parametrization(
                         self, name, _HeadsFromLinear(n_heads, d_model, head_dim), unsafe=True
                     )
+
+    def _draw_qk(self, device: torch.device | None = None) -> Tensor:
+        """W_Q, W_K as qk_init asks, (2, H, D, r); both initialisations are drawn in every mode (module docstring)."""
+        ortho = random_frame(2, self.n_heads, d=self.d_model, r=self.head_dim, device=device)  # (2, H, D, r)
+        bound = 1.0 / math.sqrt(self.d_model)
+        standard = torch.empty(2, self.n_heads, self.d_model, self.head_dim, device=device).uniform_(-bound, bound)
+        return ortho if self.qk_init == "orthonormal" else standard
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise every parameter afresh, on the device it is on, drawing the global RNG as the constructor does.
+
+        W_Q, W_K as `qk_init` asks (orthonormal frames by default), W_V and W_O as nn.Linear does, norm gains at 1,
+        log-temperatures at 0. This is the step after building on the meta device and `to_empty` (FSDP2's way of
+        building large models), which leaves memory uninitialised: frames that are not orthonormal.
+        """
+        init = self._draw_qk(self.w_v.weight.device)
+        self.w_v.reset_parameters()
+        self.w_o.reset_parameters()
+        with torch.random.fork_rng(devices=[]):  # a parametrization's right_inverse may draw (see __init__)
+            for name, value in zip(("w_q", "w_k"), init):
+                if parametrize.is_parametrized(self, name):
+                    setattr(self, name, value)  # through the parametrization's right_inverse
+                else:
+                    getattr(self, name).copy_(value)
+        for name in ("q_gain", "k_gain"):
+            if hasattr(self, name):
+                getattr(self, name).fill_(1.0)
+        if self.temperature:
+            self.log_temperature.zero_()
 
     def _heads(self, x: Tensor, w: Tensor) -> Tensor:
         B, N, _ = x.shape

@@ -116,6 +116,11 @@ def _check_start(p: Tensor, where: str) -> None:
             "(one scalar second moment per frame overflows half precision). Keep W_Q, W_K in float32 "
             "as master weights; autocast still runs the attention matmuls in half precision."
         )
+    if p.is_meta or p.numel() == 0:
+        # No values to check: a model built on the meta device (frames drawn later, by reset_parameters
+        # after to_empty) or an empty shard of a sharded parameter. The first step retracts whatever is
+        # there, but it cannot make uninitialised memory a sensible frame: initialise before training.
+        return
     err = float(isometry_error(p))
     tol = _START_TOLERANCE
     if not math.isfinite(err) or err > tol:
@@ -429,7 +434,7 @@ def _batched_retract(
         if max_step is not None:
             c = c * (max_step / step_norm.clamp_min(torch.finfo(c.dtype).tiny)).clamp(max=1.0)
             step_norm = step_norm.clamp(max=max_step)
-        step_norms.append(step_norm.max())
+        step_norms.append(step_norm)
         Y = _frames_view(buf)
         torch.addcmul(_frames_view(W), D3, c.view(-1, 1, 1), value=-1.0, out=Y)  # Y = W + xi
         if keep is not None and not finite_directions:  # a skipped frame's direction may hold NaN
@@ -438,7 +443,8 @@ def _batched_retract(
     if keep is not None and max_step is not None:
         step_bound = max_step
     else:  # the largest actual step (<= max_step) sets how much r x r work the inverse root needs
-        step_bound = float(torch.stack(step_norms).max())
+        # (a zero for frame tensors that hold no frames: an empty shard)
+        step_bound = float(torch.cat([*step_norms, step_norms[0].new_zeros(1)]).max())
     # ||W^T W - I|| stays ~1e-6 in float32 (the retraction corrects it every step): 100x headroom.
     margin = 1e-8 if params[0].dtype == torch.float64 else 1e-4
     inv_roots = inv_sqrt_gram(torch.cat(grams), 1.0 - margin, 1.0 + step_bound**2 + margin)
@@ -561,14 +567,55 @@ class _RiemannianOptimizer(Optimizer):
         self._workspaces: dict[Tensor, Tensor] = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        gi = len(self.param_groups)
+        # every group's values are checked as the constructor's are, before the group is added
+        self._check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}, gi)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        gi = len(self.param_groups) - 1
-        _check_betas_eps(group["betas"], group["eps"])
         if not group["stiefel"]:
             return
         for i, p in enumerate(group["params"]):
             _check_start(p.detach(), f"param_groups[{gi}]['params'][{i}]")
+
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
+        """Raise ValueError, naming the group, for a hyper-parameter outside its range."""
+        try:
+            _check_common(group["lr"], group["weight_decay"], group.get("max_step"), self.nonfinite)
+            _check_betas_eps(group["betas"], group["eps"])
+            self._check_rule(group)
+        except ValueError as err:
+            raise ValueError(f"param_groups[{gi}]: {err}") from None
+
+    def _check_rule(self, group: dict[str, Any]) -> None:
+        """The subclass's own hyper-parameters of one group."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load_state_dict, after checking that state_dict was saved by this kind of optimizer with
+        the same frame / AdamW split of its groups (a torch.optim.AdamW state dict, say, is refused here
+        rather than failing at the next step)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or "state" not in state_dict:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict expects an optimizer state dict "
+                "({'state': ..., 'param_groups': [...]}), as state_dict() returns"
+            )
+        needed = set(self.defaults) - {"params"}
+        for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            missing = sorted(needed - set(saved))
+            if missing:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: param group {gi} of this state dict has no "
+                    f"{', '.join(repr(k) for k in missing)}, so it was not saved by {type(self).__name__} "
+                    f"({'a torch.optim' if 'stiefel' in missing else 'another'} optimizer's state dict?). "
+                    f"Expected the state_dict() of a {type(self).__name__} with the same param groups."
+                )
+            if saved["stiefel"] != mine["stiefel"]:
+                kind = {True: "frames (stiefel=True)", False: "AdamW parameters (stiefel=False)"}
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: param group {gi} holds {kind[mine['stiefel']]} here "
+                    f"but {kind[saved['stiefel']]} in the state dict: the groups are not the same"
+                )
+        super().load_state_dict(state_dict)
 
     def _workspace(self, p: Tensor) -> Tensor:
         buf = self._workspaces.get(p)
@@ -775,12 +822,6 @@ class StiefelAdam(_RiemannianOptimizer):
     ):
         _check_common(lr, weight_decay, max_step, nonfinite)
         _check_betas_eps(betas, eps)
-        if second_moment not in ("frame", "coordinate"):
-            raise ValueError(f"second_moment must be 'frame' or 'coordinate', got {second_moment!r}")
-        if batched and not (projector and second_moment == "frame"):
-            raise ValueError(
-                "batched=True needs projector=True and second_moment='frame'; the ablations use the reference path"
-            )
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -794,6 +835,14 @@ class StiefelAdam(_RiemannianOptimizer):
             fused=fused,
         )
         super().__init__(params, defaults, nonfinite)
+
+    def _check_rule(self, group: dict[str, Any]) -> None:
+        if group["second_moment"] not in ("frame", "coordinate"):
+            raise ValueError(f"second_moment must be 'frame' or 'coordinate', got {group['second_moment']!r}")
+        if group["batched"] and not (group["projector"] and group["second_moment"] == "frame"):
+            raise ValueError(
+                "batched=True needs projector=True and second_moment='frame'; the ablations use the reference path"
+            )
 
     def _fast(self, group: dict, lists: list[list]) -> bool:
         return group["projector"] and group["second_moment"] == "frame" and super()._fast(group, lists)
@@ -864,6 +913,10 @@ class StiefelSGD(_RiemannianOptimizer):
             fused=fused,
         )
         super().__init__(params, defaults, nonfinite)
+
+    def _check_rule(self, group: dict[str, Any]) -> None:
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"invalid momentum: {group['momentum']}")
 
     def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
         if group["momentum"] != 0.0 and "momentum_buffer" not in state:

@@ -30,6 +30,7 @@ from ..nn import qk_matrices
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
 from .cifar10 import (
     CIFAR10_URL,
+    DEFAULT_CIFAR10_SHA256,
     SourceNotFound,
     balanced_subset,
     download_cifar10,
@@ -39,7 +40,7 @@ from .cifar10 import (
 )
 from .cifar_report import claim_rows, write_cifar_report
 from .errors import NotReady
-from .family import Family
+from .family import Family, check_data, data_of, with_data
 from .models import PatchViT
 from .records import Cell
 from .training import init_fingerprint, warmup_cosine
@@ -321,6 +322,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     t_start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ds = cached_dataset(str(data) if data else None)
+    check_data(cfg, DEFAULT_CIFAR10_SHA256, ds.sha256, ds.source)
     subset_gen, order_gen = _generators(cfg["seed"])
     train_idx, val_idx = split_indices(ds.train_y, cfg, subset_gen)
     x_train = normalize(ds.train_x[train_idx]).to(device)  # (n, 3, 32, 32)
@@ -414,6 +416,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     pairing["order_sha256"] = order_hash.hexdigest()[:16]
     return {
         "data_source": ds.source,
+        "data_sha256": ds.sha256,
         "pairing": pairing,
         "metrics": {
             "final_eval_acc": curves["eval_acc"][-1],
@@ -444,6 +447,7 @@ class CifarFamily(Family):
     reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling", "controls", "decay")
     controls_experiment = "controls"
     decay_experiment = "decay"
+    default_data_sha256 = DEFAULT_CIFAR10_SHA256
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(
@@ -491,6 +495,9 @@ class CifarFamily(Family):
         )
         return {"data": cached_dataset(str(download_cifar10(DOWNLOAD_DIR))).source}
 
+    def data_sha256(self, run_options: dict) -> str:
+        return cached_dataset(run_options["data"]).sha256
+
     def describe(self, run_options: dict) -> str:
         return f"data {run_options['data']}"
 
@@ -507,12 +514,16 @@ class CifarFamily(Family):
         """
         mine = [r for r in by_key.values() if r["config"]["profile"] == profile]
         seeds = 1 + max((r["config"]["seed"] for r in mine), default=0)
+        data = data_of(mine)
         if experiment == "controls" and not all(PROFILES[profile]["tuned"].get(a) for a in CONTROL_ARMS):
             return []  # not planned until every control arm has its swept learning rate
         if experiment == "scaling":
-            return [by_key[c.key] for c in cells(experiment, profile, seeds) if c.key in by_key]
+            return [by_key[c.key] for c in with_data(cells(experiment, profile, seeds), data) if c.key in by_key]
         sizes = sorted({r["config"]["n_train"] for r in mine})
-        groups = {n: [by_key[c.key] for c in cells(experiment, profile, seeds, n=n) if c.key in by_key] for n in sizes}
+        groups = {
+            n: [by_key[c.key] for c in with_data(cells(experiment, profile, seeds, n=n), data) if c.key in by_key]
+            for n in sizes
+        }
         n_main = PROFILES[profile]["n_main"]
         if groups.get(n_main):
             return groups[n_main]
@@ -522,7 +533,9 @@ class CifarFamily(Family):
         sweep = None
         if experiment == "movement":  # how the ratio depends on the SGD lr, from the sweep's records
             seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=0)
-            sweep = [by_key[c.key] for c in cells("lr-sweep", profile, seeds) if c.key in by_key]
+            sweep = [
+                by_key[c.key] for c in with_data(cells("lr-sweep", profile, seeds), data_of(records)) if c.key in by_key
+            ]
         return write_cifar_report(out_dir, experiment, records, profile, plan=plan, sweep_records=sweep)
 
     def claim_rows(self, experiment, summary, link, profile):

@@ -76,6 +76,10 @@ CIFAR10_ARCHIVE_NAME = "cifar-10-python.tar.gz"
 CIFAR10_PICKLE_DIR = "cifar-10-batches-py"
 
 ENV_CIFAR10 = "STIEFEL_ATTENTION_CIFAR10"
+# arrays_sha256 of the shared JPEG mirror (../shared/datasets/cifar10-jpeg.tar.gz, archive sha256 0bfcb687...)
+# as decoded here: the data the committed results were made from. A run on any other pixels carries its data's
+# hash in its config, so its record can never be mistaken for one of these.
+DEFAULT_CIFAR10_SHA256 = "a3b9405504972b0ee0b18a7ebcf6cdc203aeee589ee59eda8b6a6bc0f1d9720b"
 ENV_CACHE = "STIEFEL_ATTENTION_CACHE"
 
 # Tried in order, relative to the current working directory, when neither an
@@ -126,6 +130,7 @@ class Cifar10:
     test_x: torch.Tensor
     test_y: torch.Tensor
     source: str  # resolved path the data was read from
+    sha256: str = ""  # of the decoded arrays (`arrays_sha256`): what a run trains and evaluates on, whatever the format
 
     classes: ClassVar[tuple[str, ...]] = CIFAR10_CLASSES
 
@@ -443,7 +448,8 @@ def _fingerprint(located: _Located) -> str:
     return digest.hexdigest()
 
 
-def _arrays_sha256(arrays: Arrays) -> str:
+def arrays_sha256(arrays: Arrays) -> str:
+    """sha256 of the decoded arrays (names, dtypes, shapes and bytes): the same for every layout of the same pixels."""
     digest = hashlib.sha256()
     for name in _ARRAY_NAMES:
         array = np.ascontiguousarray(arrays[name])
@@ -452,8 +458,8 @@ def _arrays_sha256(arrays: Arrays) -> str:
     return digest.hexdigest()
 
 
-def _read_cache(entry: Path) -> Arrays | None:
-    """Return the cached arrays, or None if absent or corrupt (corrupt -> warning)."""
+def _read_cache(entry: Path) -> tuple[Arrays, str] | None:
+    """Return the cached arrays and their sha256, or None if absent or corrupt (corrupt -> warning)."""
     if not entry.exists():
         return None
     try:
@@ -461,15 +467,16 @@ def _read_cache(entry: Path) -> Arrays | None:
         arrays = {name: np.load(entry / f"{name}.npy", allow_pickle=False) for name in _ARRAY_NAMES}
         if meta.get("version") != _CACHE_VERSION:
             raise ValueError(f"cache version {meta.get('version')}, expected {_CACHE_VERSION}")
-        if _arrays_sha256(arrays) != meta.get("sha256"):
+        sha256 = arrays_sha256(arrays)
+        if sha256 != meta.get("sha256"):
             raise ValueError("sha256 of the cached arrays does not match meta.json")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError) as err:
         warnings.warn(f"CIFAR-10 cache {entry} is corrupt ({err}); rebuilding it.", stacklevel=3)
         return None
-    return arrays
+    return arrays, sha256
 
 
-def _write_cache(entry: Path, arrays: Arrays, source: str) -> None:
+def _write_cache(entry: Path, arrays: Arrays, source: str, sha256: str) -> None:
     """Write the cache atomically: fill a temp folder, then rename it into place."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -483,7 +490,7 @@ def _write_cache(entry: Path, arrays: Arrays, source: str) -> None:
         meta = {
             "version": _CACHE_VERSION,
             "source": source,
-            "sha256": _arrays_sha256(arrays),
+            "sha256": sha256,
             "shapes": {name: list(arrays[name].shape) for name in _ARRAY_NAMES},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -518,12 +525,15 @@ def load_cifar10(
     try:
         located = _locate(path)
         entry = cache_root / f"cifar10-{_fingerprint(located)[:20]}"
-        arrays = _read_cache(entry)
-        if arrays is None:
+        cached = _read_cache(entry)
+        if cached is not None:
+            arrays, sha256 = cached
+        else:
             log.info("decoding CIFAR-10 from %s (cached afterwards in %s)", path, entry)
             arrays = _decode_source(located)
             _check_arrays(arrays, str(path))
-            _write_cache(entry, arrays, source=str(path))
+            sha256 = arrays_sha256(arrays)
+            _write_cache(entry, arrays, source=str(path), sha256=sha256)
     except OSError as err:  # e.g. permissions; the helpers wrap the expected cases
         raise _data_error(f"Cannot read CIFAR-10 source {str(path)!r}: {err}.") from err
 
@@ -533,6 +543,7 @@ def load_cifar10(
         test_x=torch.from_numpy(arrays["test_x"]),
         test_y=torch.from_numpy(arrays["test_y"]),
         source=str(path),
+        sha256=sha256,
     )
 
 

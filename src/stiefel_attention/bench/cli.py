@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .family import FAMILY_MODULES, Plan, UserError, all_families, get_family
+from .family import FAMILY_MODULES, Plan, UserError, all_families, get_family, with_data
 
 EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
@@ -111,16 +111,29 @@ def default_results_dir(profile: str) -> Path:
     return Path("results") if profile == "cpu" else Path(f"results-{profile}")
 
 
-def _check_one_profile(runs_dir: Path, profile: str) -> None:
-    """Summaries describe one profile; refuse to add records of another to a folder."""
-    from .report import profiles_in
+def _check_folder(family, runs_dir: Path, profile: str, run_options: dict) -> None:
+    """Before any run: the folder can take records, and holds (or is running) only this profile and data."""
+    from .lock import Claims
+    from .records import ensure_writable
+    from .runner import check_folder
 
-    others = profiles_in(runs_dir) - {profile}
-    if others:
-        raise UserError(
-            f"{runs_dir} holds records of profile {', '.join(sorted(others))}, not {profile}; "
-            f"use another --out for the {profile} profile (default {default_results_dir(profile)})"
-        )
+    ensure_writable(runs_dir)
+    hint = f" (default {default_results_dir(profile)})"
+    data = family.data_key(run_options).get("data_sha256")
+    claims = Claims(runs_dir)
+    with claims.folder():
+        check_folder(runs_dir, profile, data, run_options.get("data"), claims, hint)
+
+
+def _check_device(device: str | None) -> None:
+    """--device names a device this machine has: checked once, before any run, not by every run failing."""
+    if device is None:
+        return
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"--device {device!r} cannot be used here: {why}") from None
 
 
 def _chosen_arms(arms: str | None, cells: list, what: str) -> list[str]:
@@ -145,11 +158,14 @@ def _family_command(args: argparse.Namespace) -> int:
     from .runner import run_cells
 
     family = get_family(args.command)
+    _check_device(args.device)
+    executor = _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
     cells = family.cells(args.experiment, args.profile, args.seeds, **family.cell_options(args))
     chosen = _chosen_arms(args.arms, cells, f"{family.name} --experiment {args.experiment}")
     run_options = family.run_options(args)
+    cells = with_data(cells, family.data_key(run_options))
     out = Path(args.out or default_results_dir(args.profile) / family.name)
-    _check_one_profile(out / "runs", args.profile)
+    _check_folder(family, out / "runs", args.profile, run_options)
     about = family.describe(run_options)
     print(
         f"{family.name} {args.experiment}: {len(cells)} runs (profile {args.profile})"
@@ -163,7 +179,7 @@ def _family_command(args: argparse.Namespace) -> int:
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]
     records, failures = run_cells(
-        to_run, out / "runs", _executor(args), progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
+        to_run, out / "runs", executor, progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
     )
     records.update({c.key: r for c in cells if c.key not in records and (r := read_record(c.path(out / "runs")))})
     mine = [records[c.key] for c in cells if c.key in records]
@@ -184,11 +200,10 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     """certify, then every family's experiments through the same code path as their own commands, then report."""
     out = Path(args.out or default_results_dir(args.profile))
     families = all_families()
-    for family in families:  # before any run starts, not an hour in
-        _check_one_profile(out / family.name / "runs", args.profile)
+    _check_device(args.device)
     _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
-    for family in families:  # e.g. the CIFAR data: say so now, not after certification
-        family.run_options(args)
+    for family in families:  # data, output folders: say so now, not after certification or an hour in
+        _check_folder(family, out / family.name / "runs", args.profile, family.run_options(args))
     print(f"== certify (float64) -> {out / 'certify.json'}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     if _cmd_certify(argparse.Namespace(json=str(out / "certify.json"), seed=0)) != 0:
@@ -237,6 +252,7 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
     from .records import Cell, read_record
     from .runner import execute_cell, record_differences
 
+    _check_device(args.device)
     failed = 0
     for path in args.records:
         old = read_record(path)
@@ -271,13 +287,30 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import rebuild_all
+    from .report import load_records, rebuild_all, rebuild_family
 
-    if not Path(args.dir).is_dir():
+    where = Path(args.dir)
+    if not where.is_dir():
         raise UserError(
             f"{args.dir} is not a folder (expected a results folder with <family>/runs inside, e.g. results)"
         )
-    for path in rebuild_all(args.dir):
+    if not any((where / name / "runs").is_dir() for name in FAMILY_MODULES):
+        if not (where / "runs").is_dir():
+            raise UserError(
+                f"{args.dir} holds no run records: expected a results folder with <family>/runs inside "
+                f"({', '.join(FAMILY_MODULES)}; e.g. results) or one family's folder with runs/ inside "
+                "(e.g. results/grok)"
+            )
+        # one family's folder (what --out of a family command names): rebuild its summaries
+        names = {r["family"] for r in load_records(where / "runs")} or {where.name}
+        if len(names) != 1 or not names <= set(FAMILY_MODULES):
+            raise UserError(f"{where / 'runs'} holds records of {', '.join(sorted(names))}: expected one family's")
+        family = get_family(names.pop())
+        for path in rebuild_family(where, family):
+            print(f"wrote {path}")
+        print(f"REPORT.md covers a whole results folder: stiefel-attention report {where.parent.as_posix()}")
+        return 0
+    for path in rebuild_all(where):
         print(f"wrote {path}")
     return 0
 

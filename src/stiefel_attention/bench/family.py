@@ -13,10 +13,21 @@ import importlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import NotReady, UserError
+from .errors import DataError, NotReady, UserError
 from .records import Cell
 
-__all__ = ["Family", "FAMILY_MODULES", "NotReady", "Plan", "UserError", "all_families", "get_family"]
+__all__ = [
+    "Family",
+    "FAMILY_MODULES",
+    "NotReady",
+    "Plan",
+    "UserError",
+    "all_families",
+    "check_data",
+    "data_of",
+    "get_family",
+    "with_data",
+]
 
 # The registered families, in the order `reproduce` runs them and REPORT.md lists them.
 FAMILY_MODULES = ("cifar", "grok", "lm", "mqar")
@@ -41,6 +52,9 @@ class Family:
     reproduce_order: tuple[str, ...] = ()  # experiments `reproduce` runs, in this order (default: all)
     controls_experiment: str | None = None  # its experiment with every arm (REPORT: "When does the geometry dominate?")
     decay_experiment: str | None = None  # its stiefel-adam vs adamw lead against weight decay, if it has one
+    # sha256 of the data its committed results were made from (None: the family generates its data). Cells of
+    # that data have no data entry in their config, so those records keep their keys; other data adds one.
+    default_data_sha256: str | None = None
 
     # --- planning ---------------------------------------------------------------------------
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -65,6 +79,15 @@ class Family:
         """The argv that passes those `reproduce` options on to this family's own command."""
         return []
 
+    def data_sha256(self, run_options: dict[str, Any]) -> str | None:
+        """Content hash of the data the run options point at (None for generated data)."""
+        return None
+
+    def data_key(self, run_options: dict[str, Any]) -> dict[str, str]:
+        """What the data adds to each cell's config: {} for the default data, else {"data_sha256": ...}."""
+        sha = self.data_sha256(run_options)
+        return {} if sha is None or sha == self.default_data_sha256 else {"data_sha256": sha}
+
     def describe(self, run_options: dict[str, Any]) -> str:
         """A few words on the run options for the CLI's first line (e.g. the data source)."""
         return ""
@@ -83,9 +106,10 @@ class Family:
         """The records (among by_key, every record of this family and profile) that make up one experiment."""
         seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=-1)
         try:
-            return [by_key[c.key] for c in self.cells(experiment, profile, max(seeds, 1)) if c.key in by_key]
+            planned = with_data(self.cells(experiment, profile, max(seeds, 1)), data_of(by_key.values()))
         except NotReady:
             return []
+        return [by_key[c.key] for c in planned if c.key in by_key]
 
     def plan(self, experiment: str, profile: str, finished: list[dict]) -> Plan:
         """How many of the cells the experiment plans by default are among the finished records ('k of n runs').
@@ -93,7 +117,7 @@ class Family:
         The records of an experiment may hold more than its plan (another experiment's extra seeds of a shared
         cell), so k counts planned cells, not records.
         """
-        planned = {c.key for c in self.cells(experiment, profile)}
+        planned = {c.key for c in with_data(self.cells(experiment, profile), data_of(finished))}
         return Plan(len(planned & {r["key"] for r in finished}), len(planned))
 
     def write_summary(
@@ -111,6 +135,29 @@ class Family:
     def claim_rows(self, experiment: str, summary: dict, link: str, profile: str) -> list[tuple[str, ...]]:
         """REPORT.md rows (link, profile, claim, measured, verdict) from one experiment's summary."""
         return []
+
+
+def check_data(config: dict, default_sha256: str, sha256: str, source: str) -> None:
+    """Refuse (DataError) to run a cell on data other than its config names: its record is keyed by that data."""
+    expected = config.get("data_sha256", default_sha256)
+    if sha256 != expected:
+        raise DataError(
+            f"this run ({config.get('arm')}, seed {config.get('seed')}) is keyed to data with sha256 "
+            f"{expected[:12]}..., but {source} has sha256 {sha256[:12]}...; give it the data it was planned for"
+        )
+
+
+def data_of(records) -> dict[str, str]:
+    """The data entry the records' configs share ({} for a family's default data); a folder holds one dataset."""
+    shas = {r.get("config", {}).get("data_sha256") for r in records} - {None}
+    if len(shas) > 1:
+        raise ValueError(f"records of {len(shas)} different datasets ({', '.join(sorted(s[:12] for s in shas))}) mixed")
+    return {"data_sha256": shas.pop()} if shas else {}
+
+
+def with_data(cells: list[Cell], data: dict[str, str]) -> list[Cell]:
+    """The cells with the data entry added to their configs (and so to their keys); unchanged for {}."""
+    return [Cell(c.family, c.name, {**c.config, **data}, c.options) for c in cells] if data else cells
 
 
 def get_family(name: str) -> Family:

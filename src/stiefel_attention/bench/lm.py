@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from .arms import arm_spec
-from .family import Family
+from .family import Family, check_data
 from .models import CharGPT
 from .records import Cell
 from .seq_report import write_lm_report
-from .text import fixed_windows, load_text, random_windows
+from .text import DEFAULT_TEXT_SHA256, check_windows, fixed_windows, load_text, random_windows
 from .training import (
     SEQUENCE_ARMS,
     Trainer,
@@ -194,6 +194,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     t_start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     corpus = cached_text(str(data) if data else None)
+    check_data(cfg, DEFAULT_TEXT_SHA256, corpus.sha256, corpus.source)
     if cfg["split"] == "sweep":  # held-out training text: the last 10% of the training part
         cut = int(0.9 * len(corpus.train))
         train_ids, eval_ids = corpus.train[:cut], corpus.train[cut:]
@@ -242,6 +243,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     sample = corpus.decode(prompt) + corpus.decode(model.sample(prompt, SAMPLE_CHARS, torch.Generator().manual_seed(0)))
     return {
         "data_source": corpus.source,
+        "data_sha256": corpus.sha256,
         "pairing": {"init_sha256": trainer.fingerprint, "order_sha256": order_hash.hexdigest()[:16]},
         "metrics": {
             "final_val_loss": curves["val_loss"][-1],
@@ -268,6 +270,7 @@ class LMFamily(Family):
     experiments = EXPERIMENTS
     reproduce_order = ("lr-sweep", "main", "scaling")
     controls_experiment = "main"
+    default_data_sha256 = DEFAULT_TEXT_SHA256
 
     def add_arguments(self, parser) -> None:
         self.add_reproduce_arguments(parser, "--data")
@@ -288,7 +291,13 @@ class LMFamily(Family):
         return cells(experiment, profile, default_seeds(DEFAULT_SEEDS, experiment, profile) if seeds is None else seeds)
 
     def run_options(self, args) -> dict:
-        return {"data": cached_text(getattr(args, "text", None)).source}
+        corpus = cached_text(getattr(args, "text", None))
+        if getattr(args, "profile", None) in PROFILES:  # too short a text fails here, not in every run
+            check_windows(corpus, PROFILES[args.profile]["context"])
+        return {"data": corpus.source}
+
+    def data_sha256(self, run_options: dict) -> str:
+        return cached_text(run_options["data"]).sha256
 
     def describe(self, run_options: dict) -> str:
         return f"text {run_options['data']}"

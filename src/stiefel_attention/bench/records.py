@@ -19,7 +19,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Cell", "code_version", "read_record", "strict", "write_json_atomic"]
+from .errors import UserError
+
+__all__ = ["Cell", "code_version", "ensure_writable", "is_record", "read_record", "strict", "write_json_atomic"]
+
+# What every run record holds (runner.execute_cell writes them); a JSON file without them is not a record.
+_RECORD_FIELDS = {"name": str, "key": str, "family": str, "config": dict, "metrics": dict}
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ def write_json_atomic(path: str | Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make shared result folders unreadable
         with os.fdopen(fd, "w") as f:
             json.dump(strict(obj), f, indent=1, sort_keys=False, allow_nan=False)
             f.write("\n")
@@ -68,18 +74,58 @@ def write_json_atomic(path: str | Path, obj) -> None:
         raise
 
 
-def read_record(path: str | Path) -> dict | None:
-    """The run record at path, or None when there is none. An unparsable file (a crash mid-write
-    cannot leave one, but a hand-edited or truncated copy can) counts as missing, with a warning,
-    so the run is made again."""
+def ensure_writable(folder: str | Path) -> Path:
+    """Create folder (and its parents) and check that files can be written in it, before any run
+    trains: a run whose record cannot be saved is lost work. Raises UserError naming the folder."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UserError(f"cannot write run records to {folder}: {err.strerror or err}") from None
+    return folder
+
+
+def _umask() -> int:
+    """The process umask (Python < 3.13 can only read it by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def is_record(obj) -> bool:
+    """Whether a parsed JSON value has the fields of a run record."""
+    return isinstance(obj, dict) and all(isinstance(obj.get(k), t) for k, t in _RECORD_FIELDS.items())
+
+
+def read_record(path: str | Path, warn: bool = True) -> dict | None:
+    """The run record at path, or None when there is none. A file that is not a record (truncated or
+    invalid JSON, not UTF-8, a JSON value without a record's fields, a folder; a crash mid-write cannot
+    leave one, but a hand-edited or stray file can) counts as missing, with a warning naming it, so the
+    run is made again and its record replaces the file."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        print(f"warning: unreadable record {path}; treating the run as not done", file=sys.stderr)
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        if warn:
+            why = err.strerror if isinstance(err, OSError) else type(err).__name__
+            print(f"warning: unreadable record {path} ({why}); treating the run as not done", file=sys.stderr)
         return None
+    if not is_record(record):
+        if not warn:
+            return None
+        missing = sorted(_RECORD_FIELDS) if not isinstance(record, dict) else sorted(set(_RECORD_FIELDS) - set(record))
+        print(
+            f"warning: {path} is not a run record (no {', '.join(missing) or 'well-typed fields'}); "
+            "treating the run as not done",
+            file=sys.stderr,
+        )
+        return None
+    return record
 
 
 @functools.lru_cache(maxsize=1)

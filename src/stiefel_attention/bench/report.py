@@ -24,6 +24,7 @@ __all__ = [
     "verdict",
     "write_experiment",
     "rebuild_all",
+    "rebuild_family",
     "claim_rows",
     "comparison_rows",
     "write_claims_report",
@@ -79,28 +80,40 @@ def write_experiment(
     return summary
 
 
+def rebuild_family(family_dir: str | Path, family) -> list[Path]:
+    """Recompute every summary of one family's folder (<family_dir>/runs/*.json) from its records alone."""
+    family_dir = Path(family_dir)
+    runs = family_dir / "runs"
+    by_key = {r["key"]: r for r in load_records(runs, family.name)}
+    signatures = sorted({(r["config"]["profile"], r["config"].get("data_sha256") or "") for r in by_key.values()})
+    profiles = sorted({p for p, _ in signatures})
+    if len(profiles) > 1:  # their summaries would overwrite each other
+        raise ValueError(
+            f"{runs} mixes records of profiles {', '.join(profiles)}; "
+            "keep one profile per results folder (move one set of records out) and report each folder"
+        )
+    if len(signatures) > 1:
+        raise ValueError(
+            f"{runs} mixes records made from {len(signatures)} different datasets; keep one dataset per results "
+            "folder (move one set of records out) and report each folder"
+        )
+    written = []
+    for profile in profiles:
+        for exp in family.experiments:
+            finished = family.experiment_records(exp, profile, by_key)
+            if not finished:
+                continue
+            family.write_summary(family_dir, exp, finished, profile, family.plan(exp, profile, finished), by_key)
+            written.append(family_dir / exp / "summary.json")
+    return written
+
+
 def rebuild_all(results_dir: str | Path) -> list[Path]:
     """Recompute every experiment's summary from results_dir/<family>/runs/*.json alone, then REPORT.md."""
     results_dir = Path(results_dir)
     written = []
     for family in all_families():
-        runs = results_dir / family.name / "runs"
-        by_key = {r["key"]: r for r in load_records(runs, family.name)}
-        profiles = sorted({r["config"]["profile"] for r in by_key.values()})
-        if len(profiles) > 1:  # their summaries would overwrite each other
-            raise ValueError(
-                f"{runs} mixes records of profiles {', '.join(profiles)}; "
-                "keep one profile per results folder (move one set of records out) and report each folder"
-            )
-        for profile in profiles:
-            for exp in family.experiments:
-                finished = family.experiment_records(exp, profile, by_key)
-                if not finished:
-                    continue
-                family.write_summary(
-                    results_dir / family.name, exp, finished, profile, family.plan(exp, profile, finished), by_key
-                )
-                written.append(results_dir / family.name / exp / "summary.json")
+        written += rebuild_family(results_dir / family.name, family)
     written += write_claims_report(results_dir)
     return written
 

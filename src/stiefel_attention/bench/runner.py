@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+from .errors import UserError
 from .family import get_family
-from .records import Cell, code_version, read_record, write_json_atomic
+from .lock import Claims
+from .records import Cell, code_version, ensure_writable, read_record, write_json_atomic
 
 __all__ = [
     "Executor",
@@ -28,6 +30,7 @@ __all__ = [
     "LocalExecutor",
     "RayExecutor",
     "RayNotInstalled",
+    "check_folder",
     "execute_cell",
     "record_differences",
     "host",
@@ -160,18 +163,22 @@ class LocalExecutor:
         if not cells:
             return
         ctx = mp.get_context("spawn")  # no forked torch thread pools
-        with cf.ProcessPoolExecutor(max_workers=min(self.jobs, len(cells)), mp_context=ctx) as pool:
+        pool = cf.ProcessPoolExecutor(max_workers=min(self.jobs, len(cells)), mp_context=ctx)
+        try:
             futures = {pool.submit(_execute_in_worker, cell, self.threads, os.getpid()): cell for cell in cells}
-            try:
-                for fut in cf.as_completed(futures):
-                    try:
-                        yield futures[fut], fut.result()
-                    except Exception as err:
-                        yield futures[fut], err
-            except KeyboardInterrupt:
-                for fut in futures:
-                    fut.cancel()
-                raise
+            for fut in cf.as_completed(futures):
+                try:
+                    yield futures[fut], fut.result()
+                except Exception as err:
+                    yield futures[fut], err
+        except BaseException:  # Ctrl-C or SIGINT to this process alone, or the consumer stopping
+            # The workers did not get the signal (it went to this process only): stop them now
+            # instead of letting them train to the end for results nobody will write.
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class RayNotInstalled(RuntimeError):
@@ -276,23 +283,93 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
 
 
+def _signature(config: dict) -> tuple[str, str | None]:
+    """What one results folder must not mix: the profile, and the data (None: the family's default)."""
+    return config.get("profile", "?"), config.get("data_sha256")
+
+
+def check_folder(
+    runs_dir: str | Path,
+    profile: str,
+    data_sha256: str | None = None,
+    source: str | None = None,
+    claims: Claims | None = None,
+    hint: str = "",
+) -> None:
+    """Refuse (UserError) to add runs to a folder that holds records, or runs in flight in another
+    process, of another profile or other data: a folder's summaries describe one profile on one dataset.
+
+    data_sha256 None is the family's default data; source names this run's data for the message.
+    """
+    runs_dir = Path(runs_dir)
+    found: dict[tuple, tuple[str, str]] = {}  # signature -> (records or runs in flight, their data source)
+    for path in sorted(runs_dir.glob("*.json")):
+        record = read_record(path, warn=False)
+        if record is not None:
+            found.setdefault(_signature(record["config"]), ("records", record.get("data_source") or ""))
+    for other in claims.others() if claims is not None else []:
+        sig = (other.get("profile", "?"), other.get("data_sha256"))
+        who = f"in flight: pid {other.get('pid')} on {other.get('host')} since {other.get('since')}"
+        found.setdefault(sig, (who, other.get("source") or ""))
+    for (their_profile, their_data), (what, their_source) in found.items():
+        if their_profile != profile:
+            raise UserError(
+                f"{runs_dir} holds runs of profile {their_profile} ({what}), not {profile}; "
+                f"use another --out for the {profile} profile{hint}"
+            )
+        if their_data != data_sha256:
+            theirs = f"{their_source or 'its default data'} (sha256 {(their_data or 'default')[:12]})"
+            ours = f"{source or 'other data'} (sha256 {(data_sha256 or 'default')[:12]})"
+            raise UserError(
+                f"{runs_dir} holds runs made from {theirs}, not from {ours}: a results folder holds one "
+                "dataset; use another --out for this data"
+            )
+
+
 def run_cells(
     cells: list[Cell], runs_dir: str | Path, executor: Executor | None = None, progress: bool = True, desc: str = "runs"
 ) -> tuple[dict[str, dict], list[tuple[Cell, BaseException]]]:
     """Run every cell whose record is missing; return ({cell.key: record}, failures).
 
-    Records are written the moment each run finishes. Duplicate cells (same key) run once.
+    The folder is created and checked for writing first. Under the folder's lock, what it holds is
+    checked (one profile, one dataset: `check_folder`) and every missing cell is claimed (`lock.py`);
+    a cell another live process has claimed is left to it, so concurrent commands on one folder split
+    the work. Records are written the moment each run finishes. Duplicate cells (same key) run once.
     """
-    runs_dir = Path(runs_dir)
+    runs_dir = ensure_writable(runs_dir)
     unique = list({c.key: c for c in cells}.values())
     records: dict[str, dict] = {}
-    pending = []
-    for cell in unique:
-        done = read_record(cell.path(runs_dir))
-        if done is not None:
-            records[cell.key] = done
-        else:
-            pending.append(cell)
+    pending: list[Cell] = []
+    busy: list[Cell] = []
+    claims = Claims(runs_dir)
+    signatures = {_signature(c.config) for c in unique}
+    with claims.folder():
+        if len(signatures) == 1:
+            (profile, data_sha256), source = next(iter(signatures)), unique[0].options.get("data")
+            check_folder(runs_dir, profile, data_sha256, source, claims)
+        for cell in unique:
+            done = read_record(cell.path(runs_dir))
+            about = {
+                **dict(zip(("profile", "data_sha256"), _signature(cell.config))),
+                "source": cell.options.get("data"),
+            }
+            if done is None and claims.claim(cell, about):
+                # another process may have finished it between our look and our claim
+                done = read_record(cell.path(runs_dir), warn=False)
+                if done is None:
+                    pending.append(cell)
+                    continue
+                claims.release(cell)
+            if done is not None:
+                records[cell.key] = done
+            else:
+                busy.append(cell)
+    if busy:
+        print(
+            f"{len(busy)} run(s) are in flight in another process on {runs_dir} "
+            f"({', '.join(c.name for c in busy[:3])}{', ...' if len(busy) > 3 else ''}): left to it",
+            file=sys.stderr,
+        )
     failures: list[tuple[Cell, BaseException]] = []
     if not pending:
         return records, failures
@@ -307,7 +384,7 @@ def run_cells(
             unit="run",
             initial=0,
             dynamic_ncols=True,
-            postfix={"done before": len(unique) - len(pending)},
+            postfix={"done before": len(unique) - len(pending) - len(busy)},
         )
     try:
         for cell, outcome in executor.submit(pending, runs_dir):
@@ -317,9 +394,11 @@ def run_cells(
             else:
                 write_json_atomic(cell.path(runs_dir), outcome)
                 records[cell.key] = outcome
+            claims.release(cell)
             if bar is not None:
                 bar.update(1)
     finally:
+        claims.release_all()
         if bar is not None:
             bar.close()
     return records, failures

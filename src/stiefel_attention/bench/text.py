@@ -7,6 +7,7 @@ $STIEFEL_ATTENTION_TEXT). The first 90% of the characters train, the last 10% va
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,23 @@ import torch
 
 from .errors import DataError
 
-__all__ = ["ENV_TEXT", "DEFAULT_TEXT_CANDIDATES", "CharCorpus", "load_text", "random_windows", "fixed_windows"]
+__all__ = [
+    "ENV_TEXT",
+    "DEFAULT_TEXT_CANDIDATES",
+    "DEFAULT_TEXT_SHA256",
+    "CharCorpus",
+    "check_windows",
+    "load_text",
+    "random_windows",
+    "fixed_windows",
+]
 
 ENV_TEXT = "STIEFEL_ATTENTION_TEXT"
 # Tried in order, relative to the working directory, when neither a path nor the variable is given.
 DEFAULT_TEXT_CANDIDATES = ("data/tinyshakespeare.txt", "../shared/datasets/tinyshakespeare.txt")
+# sha256 of tiny Shakespeare (../shared/datasets/README.md): the text the committed results were made from. A run on
+# any other text carries that text's hash in its config, so its record can never be mistaken for one of these.
+DEFAULT_TEXT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 TRAIN_FRACTION = 0.9
 _EXPECTED = (
     "expected a UTF-8 text file, e.g. tiny Shakespeare (the char-rnn / nanoGPT corpus, 1,115,394 "
@@ -36,6 +49,7 @@ class CharCorpus:
     train: torch.Tensor  # (n_train,) int64
     val: torch.Tensor  # (n_val,) int64
     source: str
+    sha256: str = ""  # of the file's bytes
 
     @property
     def vocab_size(self) -> int:
@@ -64,7 +78,8 @@ def load_text(path: str | os.PathLike[str] | None = None) -> CharCorpus:
     """The corpus at path (or the default), checked: a missing, empty or undecodable file is one DataError."""
     where = _resolve(path)
     try:
-        text = where.read_bytes().decode("utf-8")
+        raw = where.read_bytes()
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"{where} is not UTF-8 text (byte {err.start} cannot be decoded): {_EXPECTED}") from None
     except OSError as err:
@@ -75,7 +90,28 @@ def load_text(path: str | os.PathLike[str] | None = None) -> CharCorpus:
     index = {c: i for i, c in enumerate(chars)}
     ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
     n_train = int(TRAIN_FRACTION * len(ids))
-    return CharCorpus(chars, ids[:n_train], ids[n_train:], str(where))
+    return CharCorpus(chars, ids[:n_train], ids[n_train:], str(where), hashlib.sha256(raw).hexdigest())
+
+
+def check_windows(corpus: CharCorpus, context: int) -> None:
+    """Every part a run draws windows of `context` + 1 characters from is long enough (DataError otherwise):
+    the training part, the validation part, and the two parts of the training text the lr sweep uses."""
+    cut = int(TRAIN_FRACTION * len(corpus.train))  # the sweep's held-out training text, as lm.run splits it
+    parts = {
+        "the validation part (the last 10%)": len(corpus.val),
+        "the training part": len(corpus.train),
+        "the lr sweep's held-out training text (the last 10% of the training part)": len(corpus.train) - cut,
+        "the lr sweep's training text": cut,
+    }
+    need = context + 2  # a window and its next character, with at least two start positions
+    short = {name: n for name, n in parts.items() if n < need}
+    if short:
+        held = "; ".join(f"{name} holds {n}" for name, n in short.items())
+        raise DataError(
+            f"{corpus.source} is too short for a context of {context} characters: {held}, fewer than the {need} "
+            f"characters a window needs; use a longer text (at least about {int(need / 0.09) + 1} characters) or a "
+            "profile with a shorter context"
+        )
 
 
 def random_windows(data: torch.Tensor, batch: int, context: int, generator: torch.Generator):
