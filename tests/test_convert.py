@@ -17,15 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from stiefel_attention import StiefelAdam, frames, isometry_error, param_groups, stiefelize, unstiefelize
+from stiefel_attention import convert as convert_module
 from stiefel_attention import optim as optim_module
 from stiefel_attention.convert import Adapter, Projection, StiefelizeError, register_adapter
 
-transformers = pytest.importorskip("transformers")
-transformers.logging.set_verbosity_error()
+try:
+    import transformers
+except ImportError:  # the torch and nanoGPT/timm-style cases below need no transformers
+    transformers = None
+else:
+    transformers.logging.set_verbosity_error()
+needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 
 
 class CausalSelfAttention(nn.Module):
-    """nanoGPT's attention, written here: fused c_attn, n_head, causal SDPA."""
+    """nanoGPT's attention, written here: fused c_attn, n_head, causal attention. It keeps the logits of its
+    last call (before the mask and the 1/sqrt(head_dim) scale), as its own code computes them, for the tests."""
 
     def __init__(self, n_embd: int = 32, n_head: int = 4):
         super().__init__()
@@ -37,8 +44,33 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        self.last_logits = (q @ k.transpose(-2, -1)).detach()  # (B, H, T, T)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class TimmStyleAttention(nn.Module):
+    """A stand-in with the structure of timm's vision_transformer.Attention (timm cannot be installed beside the
+    CPU torch here): fused nn.Linear `qkv` of width 3 * dim read as (3, heads, head_dim), `num_heads`, `scale`,
+    optional per-head `q_norm`/`k_norm`. Written from that structure, not from timm's code."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4, qk_norm: bool = False):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, H, N, r) each
+        q, k = self.q_norm(q), self.k_norm(k)
+        self.last_logits = (q @ k.transpose(-2, -1)).detach()
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
 
 
 def _lm_input():
@@ -55,64 +87,8 @@ def _hf(cls, cfg_cls, **cfg):
 
 T = transformers
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=50)
+# name: (factory, inputs, output selector, frames per converted weight: list of shapes)
 CASES = {
-    # name: (factory, inputs, output selector, frames per converted weight: list of shapes)
-    "gpt2": (
-        _hf(
-            T.GPT2LMHeadModel,
-            T.GPT2Config,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            vocab_size=50,
-            n_positions=32,
-            attn_pdrop=0.0,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-        ),
-        _lm_input,
-        lambda o: o.logits,
-        [(4, 32, 8)] * 4,
-    ),
-    "llama-gqa": (
-        _hf(T.LlamaForCausalLM, T.LlamaConfig, num_key_value_heads=2, **SMALL),
-        _lm_input,
-        lambda o: o.logits,
-        [(4, 32, 8), (2, 32, 8)] * 2,
-    ),
-    "qwen2-gqa": (
-        _hf(T.Qwen2ForCausalLM, T.Qwen2Config, num_key_value_heads=2, **SMALL),
-        _lm_input,
-        lambda o: o.logits,
-        [(4, 32, 8), (2, 32, 8)] * 2,
-    ),
-    "mistral": (
-        _hf(T.MistralForCausalLM, T.MistralConfig, num_key_value_heads=2, **SMALL),
-        _lm_input,
-        lambda o: o.logits,
-        [(4, 32, 8), (2, 32, 8)] * 2,
-    ),
-    "bert": (
-        _hf(T.BertModel, T.BertConfig, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **SMALL),
-        _lm_input,
-        lambda o: o.last_hidden_state,
-        [(4, 32, 8)] * 4,
-    ),
-    "vit": (
-        _hf(
-            T.ViTModel,
-            T.ViTConfig,
-            image_size=16,
-            patch_size=4,
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        lambda: {"pixel_values": _dense_input((2, 3, 16, 16))()},
-        lambda o: o.last_hidden_state,
-        [(4, 32, 8)] * 4,
-    ),
     "multihead-attention": (
         lambda: nn.MultiheadAttention(32, 4, batch_first=True),
         lambda: (lambda x: (x, x, x))(_dense_input((2, 7, 32))()),
@@ -131,7 +107,83 @@ CASES = {
         lambda o: o,
         [(4, 32, 8)] * 4,
     ),
+    "timm-style": (
+        lambda: nn.Sequential(TimmStyleAttention(), TimmStyleAttention(qk_norm=True)),
+        _dense_input((2, 5, 32)),
+        lambda o: o,
+        [(4, 32, 8)] * 4,
+    ),
 }
+HF_CASES = (
+    {}
+    if transformers is None
+    else {
+        "gpt2": (
+            _hf(
+                T.GPT2LMHeadModel,
+                T.GPT2Config,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                vocab_size=50,
+                n_positions=32,
+                attn_pdrop=0.0,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+            ),
+            _lm_input,
+            lambda o: o.logits,
+            [(4, 32, 8)] * 4,
+        ),
+        "llama-gqa": (
+            _hf(T.LlamaForCausalLM, T.LlamaConfig, num_key_value_heads=2, **SMALL),
+            _lm_input,
+            lambda o: o.logits,
+            [(4, 32, 8), (2, 32, 8)] * 2,
+        ),
+        "qwen2-gqa": (
+            _hf(T.Qwen2ForCausalLM, T.Qwen2Config, num_key_value_heads=2, **SMALL),
+            _lm_input,
+            lambda o: o.logits,
+            [(4, 32, 8), (2, 32, 8)] * 2,
+        ),
+        "mistral": (
+            _hf(T.MistralForCausalLM, T.MistralConfig, num_key_value_heads=2, **SMALL),
+            _lm_input,
+            lambda o: o.logits,
+            [(4, 32, 8), (2, 32, 8)] * 2,
+        ),
+        "bert": (
+            _hf(T.BertModel, T.BertConfig, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **SMALL),
+            _lm_input,
+            lambda o: o.last_hidden_state,
+            [(4, 32, 8)] * 4,
+        ),
+        "vit": (
+            _hf(
+                T.ViTModel,
+                T.ViTConfig,
+                image_size=16,
+                patch_size=4,
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                intermediate_size=64,
+            ),
+            lambda: {"pixel_values": _dense_input((2, 3, 16, 16))()},
+            lambda o: o.last_hidden_state,
+            [(4, 32, 8)] * 4,
+        ),
+        "llama-mqa": (
+            _hf(T.LlamaForCausalLM, T.LlamaConfig, num_key_value_heads=1, **SMALL),
+            _lm_input,
+            lambda o: o.logits,
+            [(4, 32, 8), (1, 32, 8)] * 2,
+        ),
+    }
+)
+CASES.update(HF_CASES)
+ALL = [pytest.param(n, marks=needs_transformers) if n in HF_CASES else n for n in sorted(CASES)]
 
 
 def _run(model, inputs, select):
@@ -159,7 +211,7 @@ def _double(inputs):
     return inputs.double()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", ALL)
 def test_wiring_is_exact_on_orthonormal_heads(name):
     model, inputs, select, shapes = _build(name)
     inputs = _double(inputs)
@@ -173,7 +225,172 @@ def test_wiring_is_exact_on_orthonormal_heads(name):
     assert all(r["relative_change"] < 1e-10 for r in model.stiefelize_report.values())
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# --- frames are the model's own heads ---------------------------------------------------------------
+# Each head's attention logits, computed by the model's own code before conversion, must equal the logits built
+# from that head's frames after conversion (init="nearest" on weights already orthonormal per head). The weights
+# are made orthonormal per head without knowing the head layout: every d_model output units of a projection are
+# orthonormal, so any set of a head's units is. A consistent but wrong head layout (forward and right_inverse
+# agreeing with each other) passes round trips and function checks; it fails this one.
+
+
+def _orthonormal_chunks(weight: torch.Tensor, rows: bool, d_model: int) -> None:
+    out_major = weight if rows else weight.T  # (out, in) view
+    for start in range(0, out_major.shape[0], d_model):
+        block = out_major[start : start + d_model]
+        q, _ = torch.linalg.qr(torch.randn(d_model, block.shape[0], dtype=weight.dtype))  # (D, b), orthonormal
+        block.copy_(q.T)
+
+
+_CAPTURE = "stiefel-attention-test-capture"
+
+
+def _probe(model, modules, inputs) -> dict:
+    """Per attention module: (its input x, what its own code computed per head, how to compare).
+
+    transformers: q and k as the model hands them to its attention function (after rotary embeddings, which
+    rotate q_i and k_i at one position alike, so the diagonal q_i . k_i is what frames must reproduce);
+    nn.MultiheadAttention: its per-head attention probabilities; the stand-ins: their recorded logits."""
+    seen, hooks = {}, []
+    hf = [m for m in modules if hasattr(m, "config")]
+    if hf:
+        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        def capture(module, query, key, value, attention_mask, **kwargs):
+            n_rep = query.shape[1] // key.shape[1]  # grouped-query attention: key head h // n_rep, as repeat_kv
+            logits = query @ key.repeat_interleave(n_rep, dim=1).transpose(-2, -1)
+            x, rope = seen[module]
+            seen[module] = (x, logits.diagonal(dim1=-2, dim2=-1) if rope else logits, "diag" if rope else "logits")
+            return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(_CAPTURE, capture)
+        model.set_attn_implementation(_CAPTURE)
+        for m in hf:
+            hooks.append(
+                m.register_forward_pre_hook(
+                    lambda mod, args, kw: seen.__setitem__(
+                        mod, ((kw.get("hidden_states", args[0] if args else None)), "position_embeddings" in kw)
+                    ),
+                    with_kwargs=True,
+                )
+            )
+    for m in modules:
+        if isinstance(m, nn.MultiheadAttention):
+            x = torch.randn(2, 6, m.embed_dim, dtype=torch.float64)
+            _, probs = m(x, x, x, need_weights=True, average_attn_weights=False)
+            seen[m] = (x, probs, "probs")
+        elif not hasattr(m, "config"):
+            hooks.append(m.register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0])))
+    if hf or any(not isinstance(m, nn.MultiheadAttention) for m in modules):
+        _run(model, _double(inputs), lambda o: o)
+    for h in hooks:
+        h.remove()
+    for m in modules:
+        if not hasattr(m, "config") and not isinstance(m, nn.MultiheadAttention):
+            seen[m] = (seen[m], m.last_logits, "logits")
+    return seen
+
+
+def _frames_of(projections) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query frames (H, D, r), key frames (H_kv, D, r)) of one converted module."""
+    got = {}
+    for p in projections:
+        plist = getattr(p.owner.parametrizations, p.name)
+        if hasattr(plist, "original"):
+            originals = [plist.original]
+        else:
+            originals = [getattr(plist, f"original{i}") for i in range(len(p.pieces))]
+        for (kind, _), tensor in zip(p.pieces, originals):
+            got[kind] = tensor.detach()
+    return got["q"], got["k"]
+
+
+def _logits_from_frames(module, x, frames_q, frames_k) -> torch.Tensor:
+    q = torch.einsum("bnd,hdr->bhnr", x, frames_q)
+    k = torch.einsum("bnd,hdr->bhnr", x, frames_k)
+    if isinstance(getattr(module, "q_norm", None), nn.Module):  # per-head norms of the module's own
+        q, k = module.q_norm(q), module.k_norm(k)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return q @ k.transpose(-2, -1)  # (B, H, N, N)
+
+
+def _head_wiring_errors(name: str) -> list[str]:
+    factory, make_inputs, _, _ = CASES[name]
+    torch.manual_seed(0)
+    model = factory().double().eval()
+    found = [(n, m, a.projections(m)) for n, m, a in convert_module._find(model)]
+    with torch.no_grad():
+        for _, _, projections in found:
+            for p in projections:
+                weight = getattr(p.owner, p.name)
+                _orthonormal_chunks(weight, p.rows, weight.shape[1] if p.rows else weight.shape[0])
+                for bias in ("bias", "in_proj_bias"):  # the biases' own layout is not what is checked here
+                    if isinstance(getattr(p.owner, bias, None), torch.Tensor):
+                        getattr(p.owner, bias).zero_()
+        seen = _probe(model, [m for _, m, _ in found], make_inputs())
+        stiefelize(model, init="nearest")
+        errors = []
+        for where, module, projections in found:
+            x, got, kind = seen[module]
+            want = _logits_from_frames(module, x, *_frames_of(projections))
+            if kind == "diag":
+                want = want.diagonal(dim1=-2, dim2=-1)
+            elif kind == "probs":
+                want = (want / math.sqrt(x.shape[-1] // got.shape[1])).softmax(dim=-1)
+            # float64 throughout, except that transformers computes rotary cos/sin in float32 (rotations then
+            # preserve q_i . k_i to ~1e-7 relative); a wrong layout is off by O(1)
+            tol = (1e-6 if kind == "diag" else 1e-9) * float(want.abs().max())
+            for h in range(got.shape[1]):
+                if not torch.allclose(got[:, h], want[:, h], rtol=0, atol=tol):
+                    gap = float((got[:, h] - want[:, h]).abs().max())
+                    errors.append(f"{where or name} head {h}: {kind} differ by {gap:.2g}")
+    return errors
+
+
+class _PermutedHeads(convert_module.StiefelProjection):
+    """A wrong head layout that is consistent with itself: unit j of head h at position j * n + h, not h * r + j."""
+
+    def forward(self, *originals):
+        blocks = []
+        for (kind, n), t in zip(self.pieces, originals):
+            if kind == "rest":
+                blocks.append(t)
+            elif self.rows:
+                blocks.append(t.permute(2, 0, 1).reshape(n * self.head_dim, self.d_model))
+            else:
+                blocks.append(t.permute(1, 2, 0).reshape(self.d_model, n * self.head_dim))
+        return torch.cat(blocks, dim=0 if self.rows else 1)
+
+    def right_inverse(self, weight):
+        widths = [self._width(kind, n) for kind, n in self.pieces]
+        out = []
+        for (kind, n), block in zip(self.pieces, weight.split(widths, dim=0 if self.rows else 1)):
+            if kind == "rest":
+                out.append(block.detach().clone())
+            elif self.rows:
+                out.append(block.reshape(self.head_dim, n, self.d_model).permute(1, 2, 0).contiguous())
+            else:
+                out.append(block.reshape(self.d_model, self.head_dim, n).permute(2, 0, 1).contiguous())
+        return tuple(out)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_frames_are_the_models_own_heads(name):
+    assert _head_wiring_errors(name) == []
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_head_check_fails_on_a_permuted_head_layout(name, monkeypatch):
+    monkeypatch.setattr(convert_module, "StiefelProjection", _PermutedHeads)
+    model, inputs, select, _ = _build(name)  # the permuted layout round-trips and keeps the function...
+    with torch.no_grad():
+        want = _run(model, _double(inputs), select)
+        torch.testing.assert_close(_run(stiefelize(model, init="nearest"), _double(inputs), select), want)
+    errors = _head_wiring_errors(name)  # ...but its frames are not the model's heads
+    assert errors and all("differ" in e for e in errors)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_training_keeps_frames_orthonormal_and_moves_them_on_the_fast_path(name, monkeypatch):
     factory, make_inputs, select, _ = CASES[name]
     torch.manual_seed(1)
@@ -201,7 +418,7 @@ def test_training_keeps_frames_orthonormal_and_moves_them_on_the_fast_path(name,
     assert sorted(stepped) == sorted(id(p) for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", ALL)
 def test_state_dict_round_trip(name):
     factory, make_inputs, select, _ = CASES[name]
     torch.manual_seed(2)
@@ -216,6 +433,7 @@ def test_state_dict_round_trip(name):
         torch.testing.assert_close(_run(other, inputs, select), _run(model, inputs, select), rtol=0, atol=0)
 
 
+@needs_transformers
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
 def test_save_pretrained_round_trip_through_unstiefelize(name, tmp_path):
     factory, make_inputs, select, _ = CASES[name]
@@ -233,6 +451,7 @@ def test_save_pretrained_round_trip_through_unstiefelize(name, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@needs_transformers
 def test_nearest_init_reports_how_much_the_function_changed(caplog):
     torch.manual_seed(5)
     model = CASES["gpt2"][0]()
@@ -244,6 +463,7 @@ def test_nearest_init_reports_how_much_the_function_changed(caplog):
     assert "function changes" in caplog.text
 
 
+@needs_transformers
 def test_biases_and_v_stay_euclidean_and_untouched():
     torch.manual_seed(6)
     model = CASES["gpt2"][0]()
@@ -324,3 +544,29 @@ def test_timm_attention_if_timm_is_installed():
         got = stiefelize(attn, init="nearest")(x)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     assert timm and len(frames(attn)) == 2 and math.isfinite(float(got.sum()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_model_keeps_float32_frames_and_computes_in_its_dtype(dtype):
+    torch.manual_seed(9)
+    reference = stiefelize(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)).eval()
+    model = unstiefelize(copy.deepcopy(reference)).to(dtype)
+    stiefelize(model, init="nearest")
+    assert {p.dtype for _, p in frames(model)} == {torch.float32}
+    assert model.self_attn.in_proj_weight.dtype == dtype
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        out = model(x.to(dtype))
+        assert out.dtype == dtype
+        assert float((out.float() - reference(x)).abs().max()) < 0.1
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1, frame_lr=0.05), lr=1e-3, max_step=0.1)
+    model.train()
+    model(x.to(dtype)).float().square().mean().backward()
+    opt.step()
+    assert max(float(isometry_error(p)) for _, p in frames(model)) < 1e-5
+    assert unstiefelize(copy.deepcopy(model)).self_attn.in_proj_weight.dtype == dtype
+
+
+def test_the_timm_adapter_matches_the_timm_style_stand_in():
+    model = nn.Sequential(TimmStyleAttention(), TimmStyleAttention(qk_norm=True))
+    assert [a.name for _, _, a in convert_module._find(model)] == ["timm Attention (fused nn.Linear qkv)"] * 2

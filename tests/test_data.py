@@ -127,6 +127,16 @@ def test_jpeg_folder_loads(tmp_path: Path) -> None:
     loaded = load_cifar10(tmp_path / "images", cache_dir=tmp_path / "cache")
     assert loaded.train_x.shape == (20, 3, 32, 32) and loaded.test_x.shape == (10, 3, 32, 32)
     np.testing.assert_array_equal(loaded.train_y.numpy(), expected["train_y"])
+    np.testing.assert_array_equal(loaded.test_y.numpy(), expected["test_y"])
+    # JPEG is lossy: each image must be exactly what Pillow decodes from its own file, channels first,
+    # in label-then-name order (a swapped file, channel order or transpose would not be)
+    for split in ("train", "test"):
+        files = sorted(
+            (tmp_path / "images" / split).glob("*/*.jpg"), key=lambda f: (CIFAR10_CLASSES.index(f.parent.name), f.name)
+        )
+        decoded = np.stack([np.asarray(Image.open(f).convert("RGB")).transpose(2, 0, 1) for f in files])
+        np.testing.assert_array_equal(getattr(loaded, f"{split}_x").numpy(), decoded, err_msg=split)
+        assert np.abs(decoded.astype(int) - expected[f"{split}_x"]).mean() < 64  # and near what was written
 
 
 # ---------------------------------------------------------------------------

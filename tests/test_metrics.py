@@ -99,3 +99,14 @@ def test_a_layer_the_forward_does_not_call_is_an_error():
     attn = StiefelAttention(8, 2, 4)
     with pytest.raises(RuntimeError, match="was not called"):
         attention_metrics(attn, lambda: None)
+
+
+def test_entropy_fraction_is_none_where_no_selected_query_sees_two_keys():
+    torch.manual_seed(0)
+    attn = StiefelAttention(8, 2, 4, causal=True).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    first = attention_metrics(attn, lambda: attn(x), queries=slice(0, 1))  # the first query sees itself only
+    assert first["entropy_frac"] == [[None, None, None]]
+    assert first["entropy"] == [[0.0, 0.0, 0.0]]  # one visible key: no choice, zero entropy
+    later = attention_metrics(attn, lambda: attn(x), queries=slice(0, 2))  # the second sees two
+    assert all(v is not None and 0.0 < v <= 1.0 for v in later["entropy_frac"][0])

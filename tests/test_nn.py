@@ -819,3 +819,42 @@ def test_linear_layout_computes_the_same_attention():
         StiefelAttention(16, 2, 4, qk="stiefel", qk_layout="linear")
     with pytest.raises(ValueError, match="qk_layout must be one of"):
         StiefelAttention(16, 2, 4, qk="euclidean", qk_layout="fused")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_in_half_precision_and_under_autocast(dtype):
+    torch.manual_seed(0)
+    attn = StiefelAttention(32, 4, 8, causal=True)
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        want = attn(x)
+        with torch.autocast("cpu", dtype=dtype):
+            got = attn(x)
+    assert got.dtype == dtype and float((got.float() - want).abs().max()) < 0.05
+    half = StiefelAttention(32, 4, 8, causal=True)
+    half.load_state_dict(attn.state_dict())
+    half = half.to(dtype)
+    with torch.no_grad():
+        out = half(x.to(dtype))
+    assert out.dtype == dtype and float((out.float() - want).abs().max()) < 0.05
+    with pytest.raises(ValueError, match="float32 or float64"):  # frames stay float32 master weights
+        StiefelAdam([half.w_q], lr=0.1)
+
+
+def test_routing_and_frame_parameters_name_what_each_option_adds():
+    from stiefel_attention.nn import routing_parameters
+
+    plain = StiefelAttention(16, 2, 4)
+    assert [n for n, _ in plain.frame_parameters()] == ["w_q", "w_k"]
+    assert [n for n, _ in plain.routing_parameters()] == ["w_q", "w_k"]
+    full = StiefelAttention(16, 2, 4, qk="euclidean", qk_norm=True, temperature=True)
+    assert [n for n, _ in full.routing_parameters()] == ["w_q", "w_k", "q_gain", "k_gain", "log_temperature"]
+    assert full.routing_parameters()[2][1] is full.q_gain
+    param = StiefelAttention(16, 2, 4, qk="parametrized")
+    names = [n for n, _ in param.routing_parameters()]
+    assert names == ["parametrizations.w_q.original", "parametrizations.w_k.original"]
+    assert [tuple(p.shape) for _, p in param.frame_parameters()] == [(2, 16, 4)] * 2  # W_Q, W_K, not originals
+    model = nn.Sequential(plain, nn.Linear(16, 16), full)
+    assert [n for n, _ in routing_parameters(model)] == [
+        "0.w_q", "0.w_k", "2.w_q", "2.w_k", "2.q_gain", "2.k_gain", "2.log_temperature",
+    ]  # fmt: skip

@@ -88,10 +88,13 @@ def adapters() -> list[Adapter]:
 class StiefelProjection(FrameParametrization):
     """Assembles a projection weight from per-head frames (and, for fused weights, the untouched rest)."""
 
-    def __init__(self, p: Projection, d_model: int, init: str):
+    def __init__(self, p: Projection, d_model: int, init: str, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.rows, self.pieces, self.head_dim, self.d_model, self.init = p.rows, p.pieces, p.head_dim, d_model, init
         self.frame_originals = tuple(i for i, (kind, _) in enumerate(p.pieces) if kind != "rest")
+        # The weight is assembled in the dtype the module computes in (half precision models keep float32 frames
+        # as master weights); a buffer, so that model.to(dtype) / .half() / .float() move it with the model.
+        self.register_buffer("dtype_of_weight", torch.empty(0, dtype=dtype), persistent=False)
 
     def _width(self, kind: str, n: int) -> int:
         return n if kind == "rest" else n * self.head_dim
@@ -105,7 +108,7 @@ class StiefelProjection(FrameParametrization):
                 blocks.append(t.transpose(1, 2).reshape(n * self.head_dim, self.d_model))
             else:  # (n, D, r) -> (D, n*r)
                 blocks.append(t.permute(1, 0, 2).reshape(self.d_model, n * self.head_dim))
-        return torch.cat(blocks, dim=0 if self.rows else 1)
+        return torch.cat(blocks, dim=0 if self.rows else 1).to(self.dtype_of_weight.dtype)
 
     def qk_change(self, before: Tensor, after: Tensor) -> float:
         """||W_QK' - W_QK||_F / ||W_QK||_F over the query and key blocks (the rest does not change); NaN on meta."""
@@ -286,7 +289,7 @@ def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
             weight = getattr(p.owner, p.name)
             before = weight.detach().clone()
             d_model = weight.shape[1] if p.rows else weight.shape[0]
-            param = StiefelProjection(p, d_model, init)
+            param = StiefelProjection(p, d_model, init, dtype=weight.dtype)
             parametrize.register_parametrization(p.owner, p.name, param, unsafe=True)
             after = getattr(p.owner, p.name).detach()
             owner = next(n for n, m in module.named_modules() if m is p.owner)
