@@ -29,7 +29,9 @@ __all__ = [
     "Block",
     "frames",
     "qk_matrices",
+    "qk_clip",
     "qk_parameters",
+    "reset_logit_stats",
     "routing_parameters",
 ]
 
@@ -75,6 +77,15 @@ class StiefelAttention(nn.Module):
     behind a reshaping parametrization, for optimizers that take 2-D matrices only (torch.optim.Muon);
     `w_q`, `w_k` still read as (H, D, r) and the computation is the same.
     W_V and W_O are ordinary nn.Linear layers in every mode.
+
+    The logits of head h are s = logit_scale * q k^T / sqrt(head_dim) (q with the norm and temperature
+    applied), then, with logit_softcap=c, c * tanh(s / c) (Gemma 2's soft-cap); the causal mask comes after.
+    logit_scale is fixed (not learned); 0 makes every head attend uniformly to the keys it sees.
+    track_logits=True records, per head, the largest and smallest scaled logit s (before the soft-cap, masked
+    entries excluded) over the forward passes since `reset_logit_stats()`, in `logit_stats`; `qk_clip` reads
+    it. Without a soft-cap the attention runs in torch's fused kernel, which does not expose its logits, so
+    tracking costs one extra q k^T product per forward (no softmax, no values, no autograd graph); with a
+    soft-cap the logits are formed explicitly anyway and tracking reads them for free.
     """
 
     def __init__(
@@ -89,8 +100,15 @@ class StiefelAttention(nn.Module):
         qk_norm: bool = False,
         temperature: bool = False,
         qk_layout: str = "heads",
+        logit_softcap: float | None = None,
+        logit_scale: float = 1.0,
+        track_logits: bool = False,
     ):
         super().__init__()
+        if logit_softcap is not None and not (math.isfinite(logit_softcap) and logit_softcap > 0):
+            raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
+        if not (math.isfinite(logit_scale) and logit_scale >= 0):
+            raise ValueError(f"logit_scale must be a finite number >= 0, got {logit_scale!r}")
         if qk not in QK_MODES:
             raise ValueError(f"qk must be one of {QK_MODES}, got {qk!r}")
         if qk_init is None:
@@ -111,6 +129,8 @@ class StiefelAttention(nn.Module):
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.qk, self.qk_init, self.causal = qk, qk_init, causal
         self.qk_norm, self.temperature, self.qk_layout = qk_norm, temperature, qk_layout
+        self.logit_softcap, self.logit_scale, self.track_logits = logit_softcap, float(logit_scale), track_logits
+        self.logit_stats: dict[str, Tensor] | None = None  # {"max": (H,), "min": (H,)} with track_logits
 
         init = self._draw_qk()  # (2, H, D, r)
         trainable = qk != "frozen"
@@ -185,10 +205,55 @@ class StiefelAttention(nn.Module):
         B, N, _ = x.shape
         return self.w_v(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
 
+    def _hidden(self, n_q: int, n_k: int, device: torch.device) -> Tensor | None:
+        """(Nq, Nk) bool, True where the causal mask hides a key; None when nothing is hidden."""
+        if not self.causal or n_q == 1:  # a single (last) query sees every key
+            return None
+        return torch.ones(n_q, n_k, dtype=torch.bool, device=device).triu(1)
+
+    def _scaled(self, q: Tensor, k: Tensor) -> Tensor:
+        """s = logit_scale * q k^T / sqrt(head_dim), (B, H, Nq, Nk): the logits before the soft-cap and mask."""
+        return (q @ k.transpose(-2, -1)) * (self.logit_scale / math.sqrt(self.head_dim))
+
+    def _record(self, scaled: Tensor, hidden: Tensor | None) -> None:
+        """Fold this forward's per-head largest and smallest logit into logit_stats."""
+        top = scaled if hidden is None else scaled.masked_fill(hidden, -math.inf)
+        low = scaled if hidden is None else scaled.masked_fill(hidden, math.inf)
+        now = {"max": top.amax(dim=(0, 2, 3)), "min": low.amin(dim=(0, 2, 3))}  # (H,) each
+        if self.logit_stats is not None:
+            now = {"max": torch.maximum(now["max"], self.logit_stats["max"]),
+                   "min": torch.minimum(now["min"], self.logit_stats["min"])}  # fmt: skip
+        self.logit_stats = now
+
+    def reset_logit_stats(self) -> None:
+        self.logit_stats = None
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """softmax(mask(cap(s))) v per head, (B, H, Nq, r): torch's fused kernel unless there is a soft-cap."""
+        hidden = self._hidden(q.shape[-2], k.shape[-2], q.device)
+        # the fused kernel masks before it scales, so logit_scale 0 (-inf * 0 = NaN) takes the explicit path
+        if self.logit_softcap is None and self.logit_scale > 0:
+            if self.track_logits:
+                with torch.no_grad():
+                    self._record(self._scaled(q, k), hidden)
+            # scale None is torch's own 1/sqrt(head_dim): logit_scale 1 runs exactly the kernel call it always did
+            scale = None if self.logit_scale == 1.0 else self.logit_scale / math.sqrt(self.head_dim)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=hidden is not None, scale=scale)
+        scaled = self._scaled(q, k)
+        if self.track_logits:
+            self._record(scaled.detach(), hidden)
+        logits = self._capped(scaled, hidden)
+        return torch.softmax(logits, dim=-1) @ v
+
+    def _capped(self, scaled: Tensor, hidden: Tensor | None) -> Tensor:
+        c = self.logit_softcap
+        logits = scaled if c is None else c * torch.tanh(scaled / c)
+        return logits if hidden is None else logits.masked_fill(hidden, float("-inf"))
+
     def forward(self, x: Tensor) -> Tensor:
         B, N, _ = x.shape  # (B, N, D)
         q, k = self._qk(x, x)  # (B, H, N, r) each
-        y = F.scaled_dot_product_attention(q, k, self._values(x), is_causal=self.causal)  # (B, H, N, r)
+        y = self._attend(q, k, self._values(x))  # (B, H, N, r)
         return self.w_o(y.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))  # (B, N, D)
 
     def forward_last(self, x: Tensor) -> Tensor:
@@ -200,27 +265,24 @@ class StiefelAttention(nn.Module):
         """
         B, N, _ = x.shape
         q, k = self._qk(x[:, -1:], x)  # (B, H, 1, r), (B, H, N, r)
-        y = F.scaled_dot_product_attention(q, k, self._values(x))  # no mask: the last position attends to all
+        y = self._attend(q, k, self._values(x))  # no mask: the last position attends to all
         return self.w_o(y.transpose(1, 2).reshape(B, 1, self.n_heads * self.head_dim))  # (B, 1, D)
 
     def logits(self, x: Tensor) -> Tensor:
-        """Attention logits (B, H, N, N) as the softmax sees them: scaled, -inf where the mask hides a key."""
+        """Attention logits (B, H, N, N) as the softmax sees them: scaled, soft-capped, -inf where the mask hides
+        a key. Not recorded in logit_stats (this is for measuring, not training)."""
         q, k = self._qk(x, x)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        if self.causal:
-            N = x.shape[1]
-            hidden = torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1)
-            scores = scores.masked_fill(hidden, float("-inf"))
-        return scores
+        N = x.shape[1]
+        return self._capped(self._scaled(q, k), self._hidden(N, N, x.device))
 
     def bilinear_factors(self) -> tuple[Tensor, Tensor]:
         """(Q', K'), each (H, D, r), with A_h = Q'_h K'_h^T the bilinear form of head h's logits.
 
-        Gains and temperatures are folded in (Q' = exp(t_h) W_Q diag(g_q), K' = W_K diag(g_k)); the
-        fixed 1/sqrt(head_dim) is not. With qk_norm the logits also divide by the RMS of q and k,
-        which depends on the input and is not part of A.
+        Gains, temperatures and logit_scale are folded in (Q' = logit_scale exp(t_h) W_Q diag(g_q),
+        K' = W_K diag(g_k)); the fixed 1/sqrt(head_dim) is not, nor the soft-cap (not linear). With qk_norm
+        the logits also divide by the RMS of q and k, which depends on the input and is not part of A.
         """
-        wq, wk = self.w_q.detach(), self.w_k.detach()
+        wq, wk = self.w_q.detach() * self.logit_scale, self.w_k.detach()
         if self.qk_norm:
             wq, wk = wq * self.q_gain.detach(), wk * self.k_gain.detach()
         if self.temperature:
@@ -247,8 +309,10 @@ class StiefelAttention(nn.Module):
         return [("w_q", self.w_q), ("w_k", self.w_k)]
 
     def extra_repr(self) -> str:
-        extra = "".join(f", {k}=True" for k in ("qk_norm", "temperature") if getattr(self, k))
+        extra = "".join(f", {k}=True" for k in ("qk_norm", "temperature", "track_logits") if getattr(self, k))
         extra += ", qk_layout=linear" if self.qk_layout == "linear" else ""
+        extra += f", logit_softcap={self.logit_softcap:g}" if self.logit_softcap is not None else ""
+        extra += f", logit_scale={self.logit_scale:g}" if self.logit_scale != 1.0 else ""
         return (
             f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, qk={self.qk}, "
             f"qk_init={self.qk_init}, causal={self.causal}{extra}"
@@ -263,7 +327,8 @@ def _rms_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 class Block(nn.Module):
     """Transformer block; pre-norm when layernorm=True, plain residual otherwise.
 
-    attn_options (qk_norm, temperature, qk_layout) go to StiefelAttention unchanged.
+    attn_options (qk_norm, temperature, qk_layout, logit_softcap, logit_scale, track_logits) go to
+    StiefelAttention unchanged.
     """
 
     def __init__(
@@ -374,3 +439,55 @@ def routing_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         for name, module in _attention_modules(model)
         for pname, p in module.routing_parameters()
     ]
+
+
+def reset_logit_stats(model: nn.Module) -> None:
+    """Forget the logits recorded so far by every attention of the model that tracks them (start of a step)."""
+    for _, module in _attention_modules(model):
+        module.reset_logit_stats()
+
+
+@torch.no_grad()
+def qk_clip(model: nn.Module, tau: float) -> int:
+    """QK-Clip (as in Kimi K2's MuonClip), to call after the optimizer step; returns how many heads it clipped.
+
+    For every head whose largest logit s = logit_scale * q . k / sqrt(head_dim) over the forward passes since
+    the last call (or `reset_logit_stats`) exceeded tau, W_Q and W_K of that head are each multiplied by
+    sqrt(tau / s_max), so that logit would now be tau; other heads, and the optimizer's state, are left alone.
+    Every StiefelAttention of the model must have Euclidean W_Q, W_K (qk="euclidean", either layout), no
+    qk_norm (the norm divides the scale out, so rescaling would do nothing) and track_logits=True (the logits
+    are read, not recomputed). Frames cannot be rescaled (their columns are orthonormal): a model with frames
+    is refused; bound its logits with logit_softcap or logit_scale instead.
+    """
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"tau must be a positive number, got {tau!r}")
+    modules = list(_attention_modules(model))
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no StiefelAttention: qk_clip acts on its W_Q, W_K")
+    for name, m in modules:
+        where = name or type(m).__name__
+        if m.qk != "euclidean":
+            raise ValueError(
+                f"{where} has qk={m.qk!r}: its W_Q, W_K are orthonormal frames, which cannot be rescaled, so "
+                "QK-Clip does not apply; bound the logits with logit_softcap or logit_scale instead"
+            )
+        if m.qk_norm:
+            raise ValueError(f"{where} has qk_norm=True: the norm divides out any rescaling of W_Q, W_K")
+        if not m.track_logits:
+            raise ValueError(f"{where} does not record its logits: build it with track_logits=True for qk_clip")
+    clipped = 0
+    for _, m in modules:
+        if m.logit_stats is None:  # no forward pass since the last call
+            continue
+        s_max = m.logit_stats["max"]  # (H,)
+        over = s_max > tau
+        gamma = torch.where(over, torch.sqrt(tau / s_max.clamp_min(tau)), torch.ones_like(s_max))  # (H,)
+        for name in ("w_q", "w_k"):
+            if parametrize.is_parametrized(m, name):  # qk_layout="linear": rows h*r .. (h+1)*r - 1 are head h
+                original = getattr(m.parametrizations, name).original  # (H*r, D)
+                original.view(m.n_heads, m.head_dim, m.d_model).mul_(gamma.view(-1, 1, 1).to(original.dtype))
+            else:
+                getattr(m, name).mul_(gamma.view(-1, 1, 1).to(getattr(m, name).dtype))  # (H, D, r)
+        clipped += int(over.sum())
+        m.reset_logit_stats()
+    return clipped
