@@ -351,3 +351,79 @@ def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, cap
     assert f"first differs at epoch {epoch} by" in out
     assert f"re-run on {record['host']['cpu']} ({record['host']['isa']}), the same" in out
     assert cli.main(["rerun", str(tmp_path / "nothing.json")]) == 2
+
+
+# --- the interventions on the logit scale --------------------------------------------------------
+
+
+def test_interventions_plan_each_variant_per_seed_and_share_the_plain_runs():
+    planned = grok.cells("interventions", "cpu", 5)
+    assert len(planned) == 5 * (len(grok.INTERVENTIONS) + 4)
+    names = [c.name for c in planned[: len(grok.INTERVENTIONS)]]
+    assert names[:2] == ["adamw-s0-add-clip2", "adamw-s0-add-clip8"] and "stiefel-adam-s0-sub-scale0" in names
+    shared = {c.key for c in grok.cells("controls", "cpu", 5)} | {c.key for c in grok.cells("study", "cpu", 5)}
+    plain = [c for c in planned if not any(k in c.config for k in grok.INTERVENTION_KEYS)]
+    assert len(plain) == 20 and all(c.key in shared for c in plain)  # the controls' and study's own records
+    with pytest.raises(ValueError, match="qk_clip needs Euclidean W_Q, W_K"):
+        grok.make_config("cpu", "stiefel-adam", 0, qk_clip=2.0)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        grok.make_config("cpu", "adamw", 0, logit_cap=2.0)
+
+
+@pytest.mark.parametrize(
+    "extra, arm",
+    [({"qk_clip": 1.0}, "adamw"), ({"logit_softcap": 1.0}, "adamw"), ({"logit_scale": 0.0}, "stiefel-adam")],
+)
+def test_an_intervention_run_bounds_or_removes_its_logits(extra, arm):
+    cfg = grok.make_config("smoke", arm, 0, "+", epochs=60, eval_every=20, **extra)
+    rec = grok.run(cfg, device="cpu")
+    end = max(layer[2] for layer in rec["curves"]["mechanism"]["max_logit"][-1])  # largest head, last evaluation
+    if "qk_clip" in extra:
+        assert (
+            rec["metrics"]["qk_clip_steps"] > 0 and rec["metrics"]["qk_clip_heads"] >= rec["metrics"]["qk_clip_steps"]
+        )
+        assert rec["curves"]["qk_clip_heads"][-1] == rec["metrics"]["qk_clip_heads"]
+        assert end < 1.5  # clipped to 1 after every step; the next step moves it a little
+    if "logit_softcap" in extra:
+        assert end < 1.0 and "qk_clip_steps" not in rec["metrics"]
+    if "logit_scale" in extra:
+        assert end == 0.0 and rec["curves"]["mechanism"]["entropy_frac"][-1][0][0] == 1.0  # uniform attention
+    plain = grok.run(grok.make_config("smoke", arm, 0, "+", epochs=60, eval_every=20), device="cpu")
+    assert max(layer[2] for layer in plain["curves"]["mechanism"]["max_logit"][-1]) > 2 * max(end, 0.5)
+
+
+def _iv_record(arm, seed, op, epoch, acc, **extra):
+    rec = _fake_grok_record(op, arm, seed, epoch, acc)
+    rec["config"].update(extra)
+    rec["key"] = f"{arm}{extra}{seed}{op}"
+    return rec
+
+
+def test_intervention_verdicts_follow_the_paired_comparisons():
+    from stiefel_attention.bench.grok_interventions import interventions_summary
+    from stiefel_attention.bench.grok_report import EPOCHS_TO_GROK, FINAL_VAL_ACC
+
+    recs = []
+    for s in range(5):
+        recs += [
+            _iv_record("adamw", s, "+", None, 0.25 + 0.01 * s),
+            _iv_record("stiefel-adam", s, "+", 5000 + 100 * s, 1.0),
+            _iv_record("adamw", s, "+", 5000 + 100 * s + (150, -120, 80, -60, -40)[s], 1.0, qk_clip=2.0),  # as frames
+            _iv_record("adamw", s, "+", None, 0.25 + 0.01 * s + (2, -1.5, 1, -2, 0.5)[s] / 100, logit_softcap=8.0),
+            _iv_record(
+                "stiefel-adam", s, "+", None, 0.25 + 0.01 * s + (1, -2, 1.5, -1, 0.5)[s] / 100, logit_scale=16.0
+            ),
+            _iv_record("stiefel-adam", s, "-", None, 0.01 + 0.001 * s, logit_scale=0.0),
+            _iv_record("stiefel-adam", s, "-", 9000 + 50 * s, 1.0),
+            _iv_record("adamw", s, "-", None, 0.05 + 0.002 * s),
+        ]
+    summary = interventions_summary(recs, EPOCHS_TO_GROK, FINAL_VAL_ACC)
+    v = summary["ops"]["+"]["variants"]
+    assert v["adamw+clip2"]["verdict"].startswith("reproduces the frames' result")
+    assert v["adamw+softcap8"]["verdict"].startswith("does not help AdamW")
+    assert "every run censored, so on final validation accuracy" in v["adamw+softcap8"]["verdict"]
+    assert v["stiefel-adam+scale16"]["verdict"].startswith("removes the frames' advantage")
+    assert summary["ops"]["-"]["variants"]["stiefel-adam+scale0"]["verdict"].startswith("makes the frames worse")
+    text = " ".join(summary["verdicts"])
+    assert "reproduces the frames' grokking with adamw+clip2" in text and "the smallest scale that does is 16" in text
+    assert "a - b: 0/5 grok" in text

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 
 from ..manifold import isometry_error
 from ..metrics import attention_metrics
-from ..nn import qk_matrices
+from ..nn import qk_clip, qk_matrices, reset_logit_stats
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
 from .family import Family
+from .grok_interventions import INTERVENTION_KEYS, intervention_tag
 from .grok_report import GROK_THRESHOLD, SLINGSHOT_OPS, claim_rows, write_grok_report
 from .models import ModularTransformer
 from .modular import modular_task
@@ -71,9 +72,25 @@ ARMS = ("adamw", "stiefel-adam")
 # AdamW's scale through adjust_lr_fn="match_rms_adamw".
 CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "frozen", "qk-norm", "muon", "stiefel-adam-temp")
 DECAY_VALUES = (0.1, 0.3)  # weight decay of the `decay` experiment; 1.0 is the study's
-EXPERIMENTS = ("single", "study", "slingshot", "controls", "decay")
-DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5}
+EXPERIMENTS = ("single", "study", "slingshot", "controls", "decay", "interventions")
+DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5, "interventions": 5}
 STUDY_OPS = ("+", "-")
+
+
+# The interventions on the attention-logit scale, run at the controls' optimisation (a+b, weight decay 1.0):
+# bound the logits of the arm that does not grok (QK-Clip, soft-cap) and raise those of the arm that does (a fixed
+# logit scale); a scale of 0 is uniform attention, which cannot route, on a+b and on a-b. A config holds an
+# intervention's key only when it has one, so the plain arms' cells (and records) are those of the controls/study.
+INTERVENTIONS: tuple[tuple[str, str, dict[str, float]], ...] = (
+    ("adamw", "+", {"qk_clip": 2.0}),
+    ("adamw", "+", {"qk_clip": 8.0}),
+    ("adamw", "+", {"logit_softcap": 2.0}),
+    ("adamw", "+", {"logit_softcap": 8.0}),
+    ("stiefel-adam", "+", {"logit_scale": 4.0}),
+    ("stiefel-adam", "+", {"logit_scale": 16.0}),
+    ("stiefel-adam", "+", {"logit_scale": 0.0}),
+    ("stiefel-adam", "-", {"logit_scale": 0.0}),
+)
 
 
 def make_config(profile: str, arm: str, seed: int, op: str = "+", **overrides) -> dict:
@@ -93,15 +110,18 @@ def make_config(profile: str, arm: str, seed: int, op: str = "+", **overrides) -
     )
     if not arm_spec(arm).trust_region:
         cfg["max_step"] = None
-    unknown = set(overrides) - set(cfg)
+    unknown = set(overrides) - set(cfg) - set(INTERVENTION_KEYS)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}")
+    if "qk_clip" in overrides and not (arm_spec(arm).qk == "euclidean" and "qk_norm" not in arm_spec(arm).attention):
+        raise ValueError(f"qk_clip needs Euclidean W_Q, W_K without qk_norm; arm {arm!r} has neither")
     cfg.update(overrides)
     return cfg
 
 
 def _cell(cfg: dict, tag: str = "") -> Cell:
     op_name = {"+": "add", "-": "sub", "*": "mul", "/": "div"}[cfg["op"]]
+    tag = intervention_tag(cfg).replace("+", "-") + tag
     return Cell("grok", f"{cfg['arm']}-s{cfg['seed']}-{op_name}{tag}", cfg)
 
 
@@ -134,6 +154,16 @@ def cells(experiment: str, profile: str, seeds: int = 5) -> list[Cell]:
             for wd in (*DECAY_VALUES, BASE["weight_decay"])
             for s in range(seeds)
             for a in ARMS
+        ]
+    if experiment == "interventions":
+        if seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {seeds}")
+        # seed-major, the interventions first (the plain arms of each op are the controls' and study's runs)
+        plain = [(arm, op, {}) for op in ("+", "-") for arm in ARMS]
+        return [
+            _cell(make_config(profile, arm, s, op, **extra))
+            for s in range(seeds)
+            for arm, op, extra in (*INTERVENTIONS, *plain)
         ]
     if experiment == "slingshot":
         epochs = PROFILES[profile]["slingshot_epochs"]
@@ -192,7 +222,11 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
     xt, yt = task.train_tokens.to(device), task.train_labels.to(device)
     xv, yv = task.val_tokens.to(device), task.val_labels.to(device)
     torch.manual_seed(cfg["seed"])
-    model = ModularTransformer(**m, **attention_options(cfg["arm"])).to(device)
+    logit_options = {k: cfg[k] for k in ("logit_softcap", "logit_scale") if k in cfg}
+    tau = cfg.get("qk_clip")
+    model = ModularTransformer(**m, **attention_options(cfg["arm"]), **logit_options, track_logits=tau is not None).to(
+        device
+    )
     opts = _build(cfg, model)
     warm = cfg["warmup_steps"]
     scheds = [
@@ -203,10 +237,15 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
         k: [] for k in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "unembed_norm", "qk_isometry")
     }
     mechanism: dict[str, list] = {}
+    if tau is not None:  # how often QK-Clip fired: heads clipped, cumulative, at each evaluation
+        log["qk_clip_heads"] = []
+    clip_heads = clip_steps = 0
     first_grok = None
     t_train = 0.0
     for epoch in range(1, cfg["epochs"] + 1):
         t0 = time.perf_counter()
+        if tau is not None:
+            reset_logit_stats(model)  # the clip reads this step's training forward only
         logits = model(xt)
         loss = F.cross_entropy(logits, yt)
         for o in opts:
@@ -215,6 +254,9 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
         for o, s in zip(opts, scheds):
             o.step()
             s.step()
+        if tau is not None:
+            clipped = qk_clip(model, tau)
+            clip_heads, clip_steps = clip_heads + clipped, clip_steps + (clipped > 0)
         t_train += time.perf_counter() - t0
         if epoch % cfg["eval_every"] == 0 or epoch == cfg["epochs"] or epoch == 1:
             with torch.no_grad():
@@ -226,6 +268,8 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
                 log["val_acc"].append(float((vlogits.argmax(-1) == yv).float().mean()))
                 log["unembed_norm"].append(float(model.unembed.weight.norm()))
                 log["qk_isometry"].append(qk_isometry(model))
+                if tau is not None:
+                    log["qk_clip_heads"].append(clip_heads)
             # the attention the model reads: the '=' query, on a fixed batch of training equations
             point = attention_metrics(model, lambda: model.forward_full(xt[:512]), queries=slice(-1, None))
             for name, per_layer in point.items():
@@ -243,6 +287,7 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
             "epoch_val_acc_95": first_grok,  # None: never reached within the run
             "max_qk_isometry": max(log["qk_isometry"]),
             "collapses": find_collapses(log),
+            **({"qk_clip_steps": clip_steps, "qk_clip_heads": clip_heads} if tau is not None else {}),
         },
         "curves": {**log, "mechanism": mechanism},
         "timings": {
@@ -302,7 +347,7 @@ class GrokFamily(Family):
     profiles = PROFILES
     experiments = EXPERIMENTS
     claimed = ("single", "study", "slingshot")
-    reproduce_order = ("single", "slingshot", "study", "controls", "decay")
+    reproduce_order = ("single", "slingshot", "study", "controls", "decay", "interventions")
     controls_experiment = "controls"
     decay_experiment = "decay"
 
@@ -315,7 +360,11 @@ class GrokFamily(Family):
         return run(config, progress=progress, **options)
 
     def write_summary(self, out_dir, experiment, records, profile, plan, by_key) -> dict:
-        return write_grok_report(out_dir, experiment, records, profile, plan=plan)
+        context = None
+        if experiment == "interventions":  # the figure of the mechanism puts the controls' runs beside them
+            seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=0)
+            context = [by_key[c.key] for c in cells("controls", profile, seeds) if c.key in by_key]
+        return write_grok_report(out_dir, experiment, records, profile, plan=plan, context=context)
 
     def claim_rows(self, experiment, summary, link, profile):
         return claim_rows(experiment, summary, link, profile)

@@ -20,6 +20,13 @@ from .geometry import (
     mechanism_plot,
     time_to,
 )
+from .grok_interventions import (
+    interventions_markdown,
+    interventions_summary,
+    mechanism_points,
+    mechanism_scatter,
+    variant,
+)
 from .report import write_experiment
 from .stats import paired_comparison
 
@@ -39,16 +46,17 @@ EPOCHS_TO_GROK = time_to(
 )
 
 
-def grok_summary(experiment: str, records: list[dict]) -> dict:
-    """Per-arm outcomes and, for the study, paired tests (stiefel-adam - adamw) per operation."""
+def grok_summary(experiment: str, records: list[dict], context: list[dict] | None = None) -> dict:
+    """Per-arm outcomes and, for the study, paired tests (stiefel-adam - adamw) per operation. context: other
+    experiments' records that a summary puts beside its own (interventions: the controls' runs)."""
     summary: dict = {"experiment": experiment, "n_records": len(records), "runs": []}
     order = ("op", "weight_decay", "arm", "seed")
-    for rec in sorted(records, key=lambda r: tuple(r["config"][k] for k in order)):
+    for rec in sorted(records, key=lambda r: (*(r["config"][k] for k in order), variant(r["config"]))):
         c, m = rec["config"], rec["metrics"]
         summary["runs"].append(
             {
                 "weight_decay": c["weight_decay"],
-                "arm": c["arm"],
+                "arm": variant(c),
                 "seed": c["seed"],
                 "op": c["op"],
                 "epochs": c["epochs"],
@@ -105,6 +113,11 @@ def grok_summary(experiment: str, records: list[dict]) -> dict:
         summary["controls"] = controls_summary(records, EPOCHS_TO_GROK)
     elif experiment == "decay":
         summary["decay"] = decay_summary(records, EPOCHS_TO_GROK)
+    elif experiment == "interventions":
+        summary["interventions"] = interventions_summary(records, EPOCHS_TO_GROK, FINAL_VAL_ACC)
+        known = {r["key"] for r in records}
+        others = [r for r in context or [] if r["key"] not in known]
+        summary["mechanism_points"] = mechanism_points(records + others, EPOCHS_TO_GROK)
     return summary
 
 
@@ -330,6 +343,14 @@ def grok_markdown(summary: dict, profile: str) -> str:
         lines += controls_markdown(summary["controls"], digits=0)
     if "decay" in summary:
         lines += decay_markdown(summary["decay"], digits=0)
+    if "interventions" in summary:
+        lines += interventions_markdown(summary["interventions"])
+        n = len(summary["mechanism_points"])
+        lines += [
+            f"The figure of the mechanism (mechanism_scatter.png): {n} runs of the controls and interventions "
+            "experiments that record mechanism metrics, epochs to 95% against the largest attention logit at the end.",
+            "",
+        ]
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"
@@ -367,6 +388,8 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
         mechanism_plot(summary["controls"], out_dir, made, log_x=True)
     if "decay" in summary:
         lead_plot(summary["decay"], out_dir, made)
+    if "mechanism_points" in summary:
+        mechanism_scatter(summary["mechanism_points"], out_dir, made)
     if summary["experiment"] == "slingshot":
         fig, axes = plt.subplots(1, len(ops), figsize=(7 * len(ops), 3.5), squeeze=False)
         for ax, op in zip(axes[0], ops):
@@ -390,10 +413,16 @@ def _grok_plots(summary: dict, records: list[dict], out_dir: Path) -> list[str]:
 
 
 def write_grok_report(
-    out_dir: str | Path, experiment: str, records: list[dict], profile: str, plan: Plan | None = None
+    out_dir: str | Path,
+    experiment: str,
+    records: list[dict],
+    profile: str,
+    plan: Plan | None = None,
+    context: list[dict] | None = None,
 ) -> dict:
     plots = lambda summary, exp_dir: _grok_plots(summary, records, exp_dir)  # noqa: E731 - needs the curves
-    return write_experiment(out_dir, experiment, grok_summary(experiment, records), plots, grok_markdown, profile, plan)
+    summary = grok_summary(experiment, records, context)
+    return write_experiment(out_dir, experiment, summary, plots, grok_markdown, profile, plan)
 
 
 def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]:

@@ -1,0 +1,324 @@
+"""The grokking `interventions` experiment's report: is the attention-logit scale the mechanism?
+
+Each intervention run is named by its arm and intervention (`adamw+clip2`, `stiefel-adam+scale16`, ...) and
+compared, paired by seed and within its operation, with both plain arms: a bound on AdamW's logits should move
+it towards stiefel-adam if bounded logits are what the frames buy; a raised logit scale on the frames should
+move stiefel-adam towards AdamW. The verdicts are computed from those paired comparisons alone. The figure of
+the mechanism puts every run of the controls and interventions experiments (those with mechanism metrics) on
+one scatter: epochs to 95% validation accuracy (censored runs marked at the budget) against the run's largest
+attention logit at its last evaluation.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
+from .geometry import Measure, compare, significant
+from .stats import describe
+
+__all__ = [
+    "INTERVENTION_KEYS",
+    "intervention_tag",
+    "interventions_summary",
+    "interventions_markdown",
+    "mechanism_points",
+    "mechanism_scatter",
+    "variant",
+]
+
+INTERVENTION_KEYS = ("qk_clip", "logit_softcap", "logit_scale")  # config keys, present only when set
+_TAGS = {"qk_clip": "clip", "logit_softcap": "softcap", "logit_scale": "scale"}
+
+BASELINES = ("adamw", "stiefel-adam")
+
+
+def intervention_tag(config: dict) -> str:
+    """'' for a plain run; e.g. '+clip2', '+softcap8', '+scale0' for an intervention's."""
+    return "".join(f"+{_TAGS[k]}{config[k]:g}" for k in INTERVENTION_KEYS if k in config)
+
+
+def variant(config: dict) -> str:
+    """The run's arm and intervention, e.g. 'adamw+clip2'; the plain arm's name for a plain run."""
+    return config["arm"] + intervention_tag(config)
+
+
+def _mechanism_at_end(rec: dict, name: str) -> float | None:
+    """The metric at the last evaluation, mean over layers of the per-layer mean over heads (None if absent)."""
+    points = rec["curves"].get("mechanism", {}).get(name) or []
+    if not points:
+        return None
+    vals = [layer[0] for layer in points[-1] if layer[0] is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _peak_logit(rec: dict) -> float | None:
+    """The largest attention logit over training: max over evaluations of the per-layer largest head."""
+    points = rec["curves"].get("mechanism", {}).get("max_logit") or []
+    vals = [layer[2] for point in points for layer in point if layer[2] is not None]
+    return max(vals) if vals else None
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _standing(c: dict | None) -> int | None:
+    """+1 if the run is significantly better than the baseline, -1 worse, 0 level; None if not compared.
+
+    On epochs to 95% (fewer is better), unless every run of both is censored there (all equal to the budget + 1):
+    then on final validation accuracy (higher is better), the measure that still tells such runs apart."""
+    if c is None:
+        return None
+    st, sign = (c["final_val_acc"], 1) if c["all_censored"] else (c, -1)
+    return sign * (1 if st["mean_diff"] > 0 else -1) if significant(st) else 0
+
+
+def _on(c: dict | None) -> str:
+    return "; every run censored, so on final validation accuracy" if c is not None and c["all_censored"] else ""
+
+
+def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
+    """Does bounding AdamW's logits reproduce the frames' grokking?"""
+    a, s = _standing(vs_adamw), _standing(vs_stiefel)
+    if a is None or s is None:
+        return "not measured"
+    if a <= 0:
+        return f"does not help AdamW (no significant gain over adamw{_on(vs_adamw)})"
+    if s == 0:
+        return f"reproduces the frames' result (better than adamw, level with stiefel-adam{_on(vs_stiefel)})"
+    if s < 0:
+        return f"helps AdamW, but stays behind stiefel-adam{_on(vs_stiefel)}"
+    return "better than both adamw and stiefel-adam"
+
+
+def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
+    """Does raising (or removing) the frames' logit scale take their advantage away?"""
+    s, a = _standing(vs_stiefel), _standing(vs_adamw)
+    if s is None or a is None:
+        return "not measured"
+    if s >= 0:
+        return f"does not hurt the frames (no significant loss against stiefel-adam{_on(vs_stiefel)})"
+    if a == 0:
+        return f"removes the frames' advantage (behind stiefel-adam, level with adamw{_on(vs_adamw)})"
+    if a > 0:
+        return "hurts the frames, which stay ahead of adamw"
+    return "makes the frames worse than adamw"
+
+
+def interventions_summary(records: list[dict], measure: Measure, fallback: Measure) -> dict:
+    """Per operation: each variant's outcomes and mechanism, its paired comparisons with both plain arms, and
+    a verdict; then the verdicts of the experiment."""
+    by_op: dict[str, list[dict]] = defaultdict(list)
+    for rec in records:
+        by_op[rec["config"]["op"]].append(rec)
+    out: dict = {"measure": measure.describe(), "fallback": fallback.describe(), "ops": {}}
+    for op in sorted(by_op):
+        recs = by_op[op]
+        table: dict[str, dict[int, float]] = defaultdict(dict)
+        fall: dict[str, dict[int, float]] = defaultdict(dict)
+        groups: dict[str, list[dict]] = defaultdict(list)
+        for rec in recs:
+            label, seed = variant(rec["config"]), rec["config"]["seed"]
+            table[label][seed] = measure.value(rec)
+            fall[label][seed] = fallback.value(rec)
+            groups[label].append(rec)
+        variants = {}
+        for label, rs in sorted(groups.items()):
+            config = rs[0]["config"]
+            clip = [r["metrics"].get("qk_clip_steps") for r in rs if "qk_clip_steps" in r["metrics"]]
+            variants[label] = {
+                "arm": config["arm"],
+                "intervention": {k: config[k] for k in INTERVENTION_KEYS if k in config},
+                "epochs": describe(list(table[label].values())),
+                "grokked": sum(not measure.censored(r) for r in rs),
+                "n": len(rs),
+                "final_val_acc": describe(list(fall[label].values())),
+                "max_logit_end": _mean(_mechanism_at_end(r, "max_logit") for r in rs),
+                "max_logit_peak": _mean(_peak_logit(r) for r in rs),
+                "stable_rank_end": _mean(_mechanism_at_end(r, "stable_rank") for r in rs),
+                "entropy_frac_end": _mean(_mechanism_at_end(r, "entropy_frac") for r in rs),
+                "qk_clip_steps": _mean(clip) if clip else None,
+            }
+        comparisons = []
+        for label in variants:
+            if label in BASELINES:
+                continue
+            for base in BASELINES:
+                st = compare(table, label, base)
+                if st is None:
+                    continue
+                censored = all(
+                    measure.censored(r) for r in groups[label] + groups[base] if r["config"]["seed"] in st["seeds"]
+                )
+                comparisons.append({**st, "final_val_acc": compare(fall, label, base), "all_censored": censored})
+            pair = {c["baseline"]: c for c in comparisons if c["arm"] == label}
+            arm = variants[label]["arm"]
+            if arm == "adamw":
+                variants[label]["verdict"] = _verdict_bound(pair.get("adamw"), pair.get("stiefel-adam"))
+            else:
+                variants[label]["verdict"] = _verdict_raise(pair.get("stiefel-adam"), pair.get("adamw"))
+        out["ops"][op] = {"variants": variants, "comparisons": comparisons}
+    out["verdicts"] = _experiment_verdicts(out["ops"])
+    return out
+
+
+def _experiment_verdicts(ops: dict) -> list[str]:
+    """Sentences from the variants' verdicts: bounding AdamW's logits, raising the frames', uniform attention."""
+    plus = ops.get("+", {}).get("variants", {})
+    lines = []
+    bounds = {k: v for k, v in plus.items() if v["arm"] == "adamw" and v["intervention"]}
+    if bounds:
+        helped = [k for k, v in bounds.items() if v["verdict"].startswith(("reproduces", "helps", "better"))]
+        lines.append(
+            "Bounding AdamW's logits (a+b): "
+            + "; ".join(f"{k}: {v['verdict']} ({v['grokked']}/{v['n']} grok)" for k, v in bounds.items())
+            + (
+                f". So bounding the logits alone {'reproduces' if helped else 'does not reproduce'} the frames' "
+                f"grokking{' with ' + ', '.join(helped) if helped else ''}."
+            )
+        )
+    raises = {
+        k: v for k, v in plus.items() if v["arm"] == "stiefel-adam" and v["intervention"].get("logit_scale", 0) > 0
+    }
+    if raises:
+        slowed = sorted(
+            (v["intervention"]["logit_scale"], k)
+            for k, v in raises.items()
+            if v["verdict"].startswith(("removes", "hurts", "makes"))
+        )
+        switch = (
+            f"the smallest scale that does is {slowed[0][0]:g}"
+            if slowed
+            else f"none of the scales tried (up to {max(v['intervention']['logit_scale'] for v in raises.values()):g})"
+            " does"
+        )
+        lines.append(
+            "Raising the frames' logit scale (a+b): "
+            + "; ".join(f"{k}: {v['verdict']} ({v['grokked']}/{v['n']} grok)" for k, v in raises.items())
+            + f". Whether a larger logit scale takes the frames' grokking away: {switch}."
+        )
+    uniform = [
+        (op, v) for op in ops for k, v in ops[op]["variants"].items() if v["intervention"].get("logit_scale") == 0
+    ]
+    if uniform:
+        lines.append(
+            "Uniform attention (logit scale 0, no routing): "
+            + "; ".join(f"a {op} b: {v['grokked']}/{v['n']} grok, {v['verdict']}" for op, v in uniform)
+            + "."
+        )
+    return lines
+
+
+def interventions_markdown(summary: dict) -> list[str]:
+    lines = [
+        f"Measure: {summary['measure']['name']} (lower is better; a run that never reaches 95% counts as the "
+        "budget + 1, so a gap involving such runs is understated); beside it the final validation accuracy. "
+        "Every comparison is paired by seed, within one operation.",
+        "",
+    ]
+    for op, block in summary["ops"].items():
+        lines += [
+            f"### a {op} b",
+            "",
+            "| run | grokked | epochs to 95% (mean) | final val acc (%) | largest logit, end | largest logit, peak | "
+            "stable rank W_Q W_K^T | entropy / log N | steps clipped | verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for label, v in block["variants"].items():
+            clip = "—" if v["qk_clip_steps"] is None else f"{v['qk_clip_steps']:.0f}"
+            lines.append(
+                f"| {label} | {v['grokked']}/{v['n']} | {v['epochs']['mean']:.0f} | {v['final_val_acc']['mean']:.1f} | "
+                f"{fmt_num(v['max_logit_end'], 3)} | {fmt_num(v['max_logit_peak'], 3)} | "
+                f"{fmt_num(v['stable_rank_end'], 3)} | {fmt_num(v['entropy_frac_end'], 3)} | {clip} | "
+                f"{v.get('verdict', 'baseline')} |"
+            )
+        lines += [
+            "",
+            "| comparison | epochs, mean diff | 95% CI | p (t) | p (Wilcoxon) | final val acc, mean diff (pp) "
+            "| 95% CI |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in block["comparisons"]:
+            acc = c["final_val_acc"]
+            lines.append(
+                f"| {c['arm']} − {c['baseline']} ({fmt_seeds(c['n_seeds'])}) | {c['mean_diff']:+.0f} | "
+                f"{fmt_ci(c['ci95'], 0)} | {fmt_p(c['p_t'])} | {fmt_p(c['p_wilcoxon'])} | "
+                f"{acc['mean_diff']:+.1f} | {fmt_ci(acc['ci95'], 1)} |"
+            )
+        lines.append("")
+    if summary["verdicts"]:
+        lines += ["Verdicts (computed from the paired comparisons above):", ""]
+        lines += [f"- {v}" for v in summary["verdicts"]]
+        lines.append("")
+    return lines
+
+
+def mechanism_points(records: list[dict], measure: Measure) -> list[dict]:
+    """One point per run with mechanism metrics: its variant, op, seed, largest logit at the end, epochs."""
+    points = []
+    for rec in records:
+        logit = _mechanism_at_end(rec, "max_logit")
+        if logit is None:
+            continue
+        c = rec["config"]
+        points.append(
+            {
+                "variant": variant(c),
+                "op": c["op"],
+                "seed": c["seed"],
+                "max_logit_end": logit,
+                "epochs": measure.value(rec),
+                "censored": measure.censored(rec),
+                "budget": c["epochs"],
+            }
+        )
+    return points
+
+
+def mechanism_scatter(points: list[dict], out_dir: Path, made: list[str], name: str = "mechanism_scatter.png"):
+    """Epochs to 95% (censored runs as open markers at the budget) against the largest logit, coloured by run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not points:
+        return
+    labels = sorted({(p["op"], p["variant"]) for p in points})
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(8.5, 5))
+    for i, (op, label) in enumerate(labels):
+        mine = [p for p in points if (p["op"], p["variant"]) == (op, label)]
+        color = cmap(i % 20)
+        done = [p for p in mine if not p["censored"]]
+        never = [p for p in mine if p["censored"]]
+        marker = "o" if op == "+" else "s"
+        ax.scatter(
+            [p["max_logit_end"] for p in done],
+            [p["epochs"] for p in done],
+            color=color,
+            marker=marker,
+            s=28,
+            label=f"{label} (a {op} b)",
+        )
+        ax.scatter(
+            [p["max_logit_end"] for p in never],
+            [p["epochs"] for p in never],
+            facecolors="none",
+            edgecolors=color,
+            marker=marker,
+            s=28,
+        )
+    budget = max(p["budget"] for p in points)
+    ax.axhline(budget, color="gray", lw=0.8, ls=":")
+    ax.text(ax.get_xlim()[0], budget, " budget: open markers never reached 95%", va="bottom", fontsize=7)
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlim(left=0.0)
+    ax.set_xlabel("largest attention logit at the end of training ('=' query, mean over layers)")
+    ax.set_ylabel("epochs to 95% validation accuracy")
+    ax.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    save_figure(fig, out_dir, name, made, dpi=110)
