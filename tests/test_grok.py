@@ -427,3 +427,28 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
     text = " ".join(summary["verdicts"])
     assert "reproduces the frames' grokking with adamw+clip2" in text and "the smallest scale that does is 16" in text
     assert "a - b: 0/5 grok" in text
+    assert summary["mechanism_verdict"].startswith("the attention-logit scale is causal in both directions")
+
+
+def test_the_no_decay_claim_row_reads_the_controls_comparison():
+    from stiefel_attention.bench.grok_report import claim_rows, grok_summary
+
+    def row(nodecay_epochs, nodecay_acc):
+        recs = []
+        for s in range(5):
+            recs += [
+                _fake_grok_record("+", "adamw", s, None, 0.25 + (0.01, -0.02, 0.0, 0.015, -0.01)[s]),
+                _fake_grok_record("+", "adamw-qk-nodecay", s, nodecay_epochs[s], nodecay_acc),
+            ]
+        [(_, _, claim, got, verdict)] = claim_rows("controls", grok_summary("controls", recs), "link", "cpu")
+        assert "weight-decay exemption has no grokking consequence" in claim
+        return got, verdict
+
+    got, verdict = row((None, None, 19000, None, None), 0.3)  # one seed groks, late: no significant difference
+    assert "adamw-qk-nodecay − adamw epochs to 95% val acc" in got
+    assert verdict.startswith("replicates: no significant difference")
+    got, verdict = row((None,) * 5, 0.3)  # no run groks: compared on final accuracy, and said so
+    assert got.startswith("neither arm reaches 95% in any seed; final val acc: +5.1 pp [+3.3, +6.9]")
+    assert verdict.startswith("untestable on grokking (no run of either arm groks); on final val acc: does not")
+    _, verdict = row((6000, 6100, 6200, 6300, 6400), 1.0)
+    assert verdict == "does not replicate: exempting W_Q, W_K from decay makes AdamW grok significantly sooner"

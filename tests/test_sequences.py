@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -278,3 +279,88 @@ def test_difficulty_sensitivity_reports_final_accuracy_and_says_when_every_run_i
     line = next(s for s in md.splitlines() if s.startswith("- 30 pairs"))
     assert "every run censored" in line and "final accuracy +30.0 pp" in line
     assert "censored" not in next(s for s in md.splitlines() if s.startswith("- 8 pairs"))
+
+
+# --- lr-stability ------------------------------------------------------------------------------------------
+
+
+def test_lr_stability_plans_every_rate_times_m_and_shares_main_at_m_1():
+    planned = lm.cells("lr-stability", "cpu", 3)
+    assert len(planned) == 3 * len(lm.LR_MULTIPLIERS["cpu"]) * len(lm.STABILITY_RUNS)
+    main = {c.key for c in lm.cells("main", "cpu", 12)}
+    at_one = [c for c in planned if "lr_multiplier" not in c.config]
+    assert all((c.key in main) != ("qk_clip" in c.config) for c in at_one)  # plain arms at m = 1 are main's cells
+    x64 = {c.name: c.config for c in planned if c.config.get("lr_multiplier") == 64.0 and c.config["seed"] == 0}
+    base = lm.make_config("cpu", "stiefel-adam", 0)
+    assert x64["stiefel-adam-s0-lrx64"]["lr"] == base["lr"] * 64 and x64["stiefel-adam-s0-lrx64"]["frame_lr"] == 6.4
+    assert x64["adamw-s0-lrx64-clip50"]["qk_clip"] == lm.PROFILES["cpu"]["qk_clip_tau"]
+
+
+def test_a_diverging_lm_run_is_recorded_with_its_step_not_raised(corpus_file):
+    cfg = {
+        **lm.make_config("smoke", "adamw", 0, steps=30, eval_every=10, lr=1e4),
+        **lm.FAMILY.data_key({"data": corpus_file}),
+    }
+    rec = lm.run(cfg, data=str(corpus_file), device="cpu")
+    m = rec["metrics"]
+    assert m["diverged_at_step"] is not None and m["final_val_loss"] is None and rec["sample"] == ""
+    from stiefel_attention.bench.seq_report import VAL_LOSS
+
+    assert VAL_LOSS.value(rec) == m["uniform_loss"] == pytest.approx(math.log(len(set(TEXT))))
+    assert json.dumps(rec, allow_nan=False)
+
+
+def test_a_qk_clip_lm_run_keeps_its_attention_logits_near_tau(corpus_file):
+    cfg = {**lm.make_config("smoke", "adamw", 0, steps=40, eval_every=20, lr=0.1), "qk_clip": 2.0}
+    cfg.update(lm.FAMILY.data_key({"data": corpus_file}))
+    rec = lm.run(cfg, data=str(corpus_file), device="cpu")
+    assert rec["metrics"]["qk_clip_steps"] > 0
+    assert max(layer[2] for layer in rec["curves"]["mechanism"]["max_logit"][-1]) < 3.0
+    assert len(rec["curves"]["max_output_logit"]) == len(rec["curves"]["step"])
+
+
+def _stability_record(arm, seed, m, loss, logit, clip=None, diverged=None):
+    config = {"arm": arm, "seed": seed, "steps": 100}
+    if m != 1:
+        config["lr_multiplier"] = m
+    if clip:
+        config["qk_clip"] = clip
+    mech = {"max_logit": [[[logit, logit, logit]]]}
+    return {
+        "config": config,
+        "metrics": {"final_val_loss": loss, "uniform_loss": 4.0, "diverged_at_step": diverged},
+        "curves": {"mechanism": mech, "max_output_logit": [10.0]},
+    }
+
+
+def test_stability_summary_computes_wortsmans_sensitivity_the_precondition_and_a_verdict():
+    from stiefel_attention.bench.seq_report import stability_markdown, stability_summary
+
+    recs = []
+    for s in range(3):
+        e = (0.01, -0.02, 0.015)[s]
+        recs += [
+            _stability_record("adamw", s, 1, 1.70 + e, 30.0),
+            _stability_record("adamw", s, 4, 1.90 + e, 60.0),
+            _stability_record("adamw", s, 16, None, 150.0, diverged=20),  # counts as the cap, 4.0
+            _stability_record("qk-norm", s, 1, 1.69 + e, 12.0),
+            _stability_record("qk-norm", s, 4, 1.72 - e, 12.5),
+            _stability_record("qk-norm", s, 16, 1.85 + e, 13.0),
+            _stability_record("stiefel-adam", s, 1, 1.71 + e, 12.0),
+            _stability_record("stiefel-adam", s, 4, 1.70 - e, 12.0),
+            _stability_record("stiefel-adam", s, 16, 1.80 + 2 * e, 12.5),
+        ]
+    summary = stability_summary(recs)
+    assert summary["multipliers"] == ["1", "4", "16"] and summary["cap"] == 4.0
+    adamw = [[1.70 + e, 1.90 + e, 4.0] for e in (0.01, -0.02, 0.015)]
+    want = sum(sum(x) / 3 - min(x) for x in adamw) / 3
+    assert summary["sensitivity"]["adamw"]["mean"] == pytest.approx(want, abs=1e-12)
+    assert (
+        summary["points"]["adamw"]["16"]["diverged"] == 3
+        and summary["points"]["adamw"]["16"]["diverged_at"] == [20] * 3
+    )
+    pre = summary["precondition"]
+    assert pre["met"] and pre["logit_growth"] == pytest.approx(5.0) and "3 of its runs diverged" in pre["text"]
+    assert summary["verdict"].startswith("yes: stiefel-adam is significantly less sensitive")
+    md = "\n".join(stability_markdown(summary))
+    assert "4.000 (3 diverged)" in md and "Precondition (met)" in md

@@ -120,6 +120,9 @@ GROK_SINGLE = dict(
 GROK_STUDY_TEXT = (
     "two five-seed studies: the constrained arm does not grok better than the baseline (p=0.019, baseline wins) (v2)"
 )
+# v2 reads the study as "the weight-decay exemption has no grokking consequence"; measured directly by the
+# controls' adamw-qk-nodecay (AdamW with W_Q, W_K exempt from decay) against adamw.
+GROK_NODECAY_TEXT = "the weight-decay exemption has no grokking consequence (v2): adamw-qk-nodecay vs adamw, a+b"
 GROK_SLINGSHOT = dict(
     ratio=1e6,
     text=(

@@ -52,6 +52,7 @@ class Family:
     reproduce_order: tuple[str, ...] = ()  # experiments `reproduce` runs, in this order (default: all)
     controls_experiment: str | None = None  # its experiment with every arm (REPORT: "When does the geometry dominate?")
     decay_experiment: str | None = None  # its stiefel-adam vs adamw lead against weight decay, if it has one
+    mechanism_experiment: str | None = None  # its interventions on the mechanism (REPORT: "The mechanism")
     # sha256 of the data its committed results were made from (None: the family generates its data). Cells of
     # that data have no data entry in their config, so those records keep their keys; other data adds one.
     default_data_sha256: str | None = None

@@ -38,6 +38,7 @@ __all__ = [
     "sensitivity",
     "geometry_section",
     "verdicts_by_testbed",
+    "mechanism_section",
     "GEOMETRY_ARMS",
 ]
 
@@ -45,6 +46,7 @@ SENSITIVITY = ("adamw", "frozen")  # trained against frozen Q/K
 # Arms compared with stiefel-adam in every testbed, in the order the report lists them.
 GEOMETRY_ARMS = ("adamw", "frozen", "adamw-qk-nodecay", "orthogonal-param", "qk-norm", "muon", "stiefel-adam-temp")
 PLOTTED_METRICS = ("entropy_frac", "stable_rank", "max_logit", "spectral_norm")
+PRECONDITION_WORDS = {True: "met", False: "not met", None: "not yet checked"}  # an experiment's precondition
 
 
 class Measure:
@@ -430,6 +432,51 @@ def geometry_section(results_dir: Path, testbeds: list[tuple[str, str, str | Non
         _geometry_plot(results_dir, panels)
         lines += ["", "![lead against weight decay](geometry_decay.png)"]
     return lines + [""]
+
+
+def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | None]]) -> list[str]:
+    """REPORT.md lines of "The mechanism, by intervention": per testbed with an interventions summary, its
+    computed verdicts and the figure. testbeds: (family folder, title, its mechanism experiment or None)."""
+    lines = []
+    for family, title, experiment in testbeds:
+        summary = _load(results_dir / family / str(experiment) / "summary.json") if experiment else None
+        if not summary:
+            continue
+        where = f"{family}/{experiment}"
+        runs = f"{summary['n_planned_done']}/{summary['n_planned']} runs" if summary.get("n_planned") else "runs"
+        link = f"[{where}]({where}/summary.md) ({runs})"
+        if found := summary.get("interventions"):
+            lines += [
+                f"### The mechanism, by intervention: {title}",
+                "",
+                f"{link}. In one sentence: **{found['mechanism_verdict']}**.",
+                "",
+                *([f"- {v}" for v in found["verdicts"]] + [""] if found["verdicts"] else []),
+            ]
+            if "mechanism_scatter.png" in summary.get("plots", []):
+                lines += [f"![epochs to 95% against the largest attention logit]({where}/mechanism_scatter.png)", ""]
+        if found := summary.get("stability"):
+            sens = "; ".join(
+                f"{label} {found['sensitivity'][label]['mean']:.3f}"
+                for label in found["labels"]
+                if label in found["sensitivity"]
+            )
+            vs = "; ".join(f"{c['arm']} {fmt_diff(c, 'nats/char', 3)}" for c in found["sensitivity_vs_adamw"])
+            lines += [
+                f"### High learning rates: {title}",
+                "",
+                f"{link}. Precondition ({PRECONDITION_WORDS[found['precondition']['met']]}): "
+                f"{found['precondition']['text']}. Learning-rate sensitivity (nats/char, lower is more stable): "
+                f"{sens or 'not measured'}; against adamw: {vs or 'not measured'}. Do the frames buy "
+                f"high-learning-rate stability? **{found['verdict']}**.",
+                "",
+            ]
+            if "lr_stability.png" in summary.get("plots", []):
+                lines += [
+                    f"![loss and largest attention logit against the learning rate]({where}/lr_stability.png)",
+                    "",
+                ]
+    return lines
 
 
 def verdicts_by_testbed(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[tuple]:

@@ -350,6 +350,7 @@ class GrokFamily(Family):
     reproduce_order = ("single", "slingshot", "study", "controls", "decay", "interventions")
     controls_experiment = "controls"
     decay_experiment = "decay"
+    mechanism_experiment = "interventions"
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
         if seeds is None:  # the protocol's seeds; the smoke profile only has to run

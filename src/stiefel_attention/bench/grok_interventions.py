@@ -162,7 +162,41 @@ def interventions_summary(records: list[dict], measure: Measure, fallback: Measu
                 variants[label]["verdict"] = _verdict_raise(pair.get("stiefel-adam"), pair.get("adamw"))
         out["ops"][op] = {"variants": variants, "comparisons": comparisons}
     out["verdicts"] = _experiment_verdicts(out["ops"])
+    out["mechanism_verdict"] = _mechanism_verdict(out["ops"].get("+", {}).get("variants", {}))
     return out
+
+
+def _mechanism_verdict(variants: dict) -> str:
+    """Whether the logit scale is the mechanism, in both directions, from the a+b variants' verdicts."""
+    bounds = [v["verdict"] for v in variants.values() if v["arm"] == "adamw" and v["intervention"]]
+    raises = [
+        v["verdict"]
+        for v in variants.values()
+        if v["arm"] == "stiefel-adam" and v["intervention"].get("logit_scale", 0) > 0
+    ]
+    if not bounds or not raises or any(v == "not measured" for v in bounds + raises):
+        return "not yet measured in both directions"
+    helps = any(v.startswith(("reproduces", "helps", "better")) for v in bounds)
+    hurts = any(v.startswith(("removes", "hurts", "makes")) for v in raises)
+    if helps and hurts:
+        return (
+            "the attention-logit scale is causal in both directions: bounding AdamW's logits helps it grok, and "
+            "raising the frames' logits takes their advantage away"
+        )
+    if helps:
+        return (
+            "bounding AdamW's logits helps it grok, but raising the frames' logits does not take their advantage "
+            "away: small logits suffice for AdamW, and the frames' advantage does not rest on them alone"
+        )
+    if hurts:
+        return (
+            "raising the frames' logits takes their advantage away, but bounding AdamW's logits does not make it "
+            "grok: small logits are necessary for the frames, not sufficient for AdamW"
+        )
+    return (
+        "neither bounding AdamW's logits nor raising the frames' changes the outcome: the logit scale is not the "
+        "mechanism, only a correlate"
+    )
 
 
 def _experiment_verdicts(ops: dict) -> list[str]:

@@ -16,6 +16,7 @@ from .geometry import (
     controls_summary,
     decay_markdown,
     decay_summary,
+    fmt_diff,
     lead_plot,
     mechanism_plot,
     time_to,
@@ -119,6 +120,21 @@ def grok_summary(experiment: str, records: list[dict], context: list[dict] | Non
         others = [r for r in context or [] if r["key"] not in known]
         summary["mechanism_points"] = mechanism_points(records + others, EPOCHS_TO_GROK)
     return summary
+
+
+def _null_verdict(st: dict, unit: str, effect: str) -> str:
+    """A claim of no effect: replicated where the paired 95% CI includes 0 (with the sizes it allows)."""
+    if st["n_seeds"] < 2:
+        return "too few seeds to test"
+    lo, hi = st["ci95"]
+    digits = 0 if unit == "epochs" else 1
+    if lo <= 0 <= hi:
+        return f"replicates: no significant difference (the CI allows {lo:+.{digits}f} to {hi:+.{digits}f} {unit})"
+    if unit == "epochs":
+        effect += " significantly " + ("later" if st["mean_diff"] > 0 else "sooner")
+    else:
+        effect += f" significantly ({st['mean_diff']:+.{digits}f} {unit})"
+    return f"does not replicate: exempting W_Q, W_K from decay {effect}"
 
 
 def _single_verdict(runs: list[dict], paper: dict) -> str:
@@ -440,6 +456,27 @@ def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]
             f"adamw {st['never_grokked']['adamw']}, stiefel {st['never_grokked']['stiefel-adam']}"
         )
         rows.append((link, prof, f"op {op}: {s['paper_text']}", got, st["verdict"]))
+    nodecay = next(
+        (
+            c
+            for c in s.get("controls", {}).get("comparisons", [])
+            if (c["arm"], c["baseline"]) == ("adamw-qk-nodecay", "adamw")
+        ),
+        None,
+    )
+    if nodecay is not None:
+        got = f"adamw-qk-nodecay − adamw epochs to 95% val acc: {fmt_diff(nodecay, 'epochs', 0)}"
+        runs = {(r["arm"], r["seed"]): r for r in s["runs"] if r["op"] == "+"}
+        pairs = [(runs[("adamw-qk-nodecay", k)], runs[("adamw", k)]) for k in nodecay["seeds"]]
+        if all(a["epoch_val_acc_95"] is None and b["epoch_val_acc_95"] is None for a, b in pairs):
+            acc = paired_comparison([a["final_val_acc"] for a, _ in pairs], [b["final_val_acc"] for _, b in pairs])
+            got = f"neither arm reaches 95% in any seed; final val acc: {fmt_diff(acc, 'pp', 1)}"
+            verdict = "untestable on grokking (no run of either arm groks); on final val acc: " + _null_verdict(
+                acc, "pp", "changes final validation accuracy"
+            )
+        else:
+            verdict = _null_verdict(nodecay, "epochs", "makes AdamW grok")
+        rows.append((link, prof, claims.GROK_NODECAY_TEXT, got, verdict))
     for op, pilot in s.get("pilots", {}).items():
         runs = [r for r in s["runs"] if r["op"] == op]
         got = "; ".join(

@@ -22,7 +22,10 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..nn import qk_clip, reset_logit_stats
+from ..optim import NonFiniteGradientError
 from .arms import arm_spec
+from .errors import NotReady
 from .family import Family, check_data
 from .models import CharGPT
 from .records import Cell
@@ -50,6 +53,7 @@ PROFILES: dict[str, dict] = {
         n_eval=32,
         warmup=5,
         tuned={},
+        qk_clip_tau=4.0,
         **_NANOGPT,
     ),
     # About 3 min of one core per run. The number of steps is sized so that trained Q/K beat frozen ones (the
@@ -77,6 +81,10 @@ PROFILES: dict[str, dict] = {
             "muon": {"frame_lr": 3e-2},
             "stiefel-adam-temp": {"frame_lr": 0.3},
         },
+        # lr-stability's QK-Clip threshold, fixed before its runs: above the largest attention logit of every
+        # adamw run of `main` (m = 1; 12 seeds, largest head at the end 32.5-44.7), so that it binds only where
+        # logits grow past normal training, as QK-Clip is used
+        qk_clip_tau=50.0,
         **_NANOGPT,
     ),
     # nanoGPT's shakespeare_char size (6 layers, 384 wide, 6 heads, context 256), for a GPU; no dropout here
@@ -89,13 +97,26 @@ PROFILES: dict[str, dict] = {
         n_eval=500,
         warmup=100,
         tuned={},
+        qk_clip_tau=None,  # fixed from this profile's adamw runs of `main` before its lr-stability runs
         **_NANOGPT,
     ),
 }
 MAIN_ARMS = SEQUENCE_ARMS
 SCALING_STEPS = (0.5, 1.0, 2.0)  # training steps, as multiples of the profile's
-EXPERIMENTS = ("main", "lr-sweep", "scaling")
-DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6}
+# lr-stability (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training instabilities"):
+# every rate an arm has (its tuned rates) times m; adamw also with QK-Clip at the profile's qk_clip_tau. At m = 1
+# the plain arms' cells are main's.
+STABILITY_RUNS = (
+    ("adamw", False),
+    ("qk-norm", False),
+    ("adamw", True),
+    ("stiefel-adam", False),
+    ("stiefel-adam-temp", False),
+    ("frozen", False),
+)
+LR_MULTIPLIERS = {"smoke": (1.0, 64.0), "cpu": (0.25, 1.0, 4.0, 16.0, 64.0), "paper": (0.25, 1.0, 4.0, 16.0, 64.0)}
+EXPERIMENTS = ("main", "lr-sweep", "scaling", "lr-stability")
+DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6, "lr-stability": 3}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
 # best value sat on that edge: results/lm/lr-sweep/summary.md flags such arms.
 SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
@@ -141,12 +162,30 @@ def make_config(profile: str, arm: str, seed: int, split: str = "val", **overrid
     return cfg
 
 
+def stability_config(profile: str, arm: str, seed: int, multiplier: float, clip: bool) -> dict:
+    """main's config of arm with every rate times multiplier (recorded as lr_multiplier unless it is 1) and,
+    with clip, QK-Clip at the profile's threshold (qk_clip)."""
+    cfg = make_config(profile, arm, seed)
+    if multiplier != 1.0:
+        cfg.update(lr=cfg["lr"] * multiplier, frame_lr=cfg["frame_lr"] * multiplier, lr_multiplier=multiplier)
+    if clip:
+        tau = PROFILES[profile]["qk_clip_tau"]
+        if tau is None:
+            raise NotReady(f"lm profile {profile!r} has no qk_clip_tau yet (fixed from its adamw runs of main)")
+        cfg["qk_clip"] = tau
+    return cfg
+
+
 def _cell(cfg: dict) -> Cell:
     name = f"{cfg['arm']}-s{cfg['seed']}"
     if cfg["split"] == "sweep":
         name += f"-sweep-lr{cfg['lr']:g}-flr{cfg['frame_lr']:g}"
     if cfg["steps"] != PROFILES[cfg["profile"]]["steps"]:
         name += f"-steps{cfg['steps']}"
+    if "lr_multiplier" in cfg:
+        name += f"-lrx{cfg['lr_multiplier']:g}"
+    if "qk_clip" in cfg:
+        name += f"-clip{cfg['qk_clip']:g}"
     return Cell("lm", name, cfg)
 
 
@@ -161,6 +200,13 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
             _cell(make_config(profile, arm, s, "sweep", **rates))
             for arm, rates in sweep_points(profile, SWEEP_EXTENSIONS.get(profile), anchor_lr(PROFILES, profile))
             for s in S
+        ]
+    if experiment == "lr-stability":
+        return [
+            _cell(stability_config(profile, arm, s, m, clip))
+            for s in S
+            for m in LR_MULTIPLIERS[profile]
+            for arm, clip in STABILITY_RUNS
         ]
     if experiment == "scaling":
         steps = PROFILES[profile]["steps"]
@@ -204,9 +250,10 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
         raise ValueError(f"split must be 'val' or 'sweep', got {cfg['split']!r}")
     x_eval, y_eval = (t.to(device) for t in fixed_windows(eval_ids, cfg["n_eval"], cfg["context"], seed=0))
     probe = x_eval[:16]  # the fixed batch of the mechanism metrics
+    tau = cfg.get("qk_clip")
     trainer = Trainer(
         cfg,
-        lambda **kw: CharGPT(corpus.vocab_size, cfg["context"], **cfg["model"], **kw),
+        lambda **kw: CharGPT(corpus.vocab_size, cfg["context"], **cfg["model"], **kw, track_logits=tau is not None),
         device,
         cfg["steps"],
         cfg["warmup"],
@@ -214,42 +261,66 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     model = trainer.model
     order = torch.Generator().manual_seed(1_000_003 * cfg["seed"] + 2)
     order_hash = hashlib.sha256()
-    curves: dict[str, list] = {"step": [], "train_loss": [], "val_loss": []}
+    curves: dict[str, list] = {"step": [], "train_loss": [], "val_loss": [], "max_output_logit": []}
     mechanism: dict[str, list] = {}
     running, seen, t_train = 0.0, 0, 0.0
+    diverged, clip_steps, clip_heads = None, 0, 0  # a diverged run is an outcome, recorded with its step
     for step in range(1, cfg["steps"] + 1):
         t0 = time.perf_counter()
         xb, yb = random_windows(train_ids, cfg["batch"], cfg["context"], order)
         order_hash.update(xb[:, 0].numpy().tobytes())
+        if tau is not None:
+            reset_logit_stats(model)  # the clip reads this step's forward only
         logits = model(xb.to(device))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.to(device).reshape(-1))
-        trainer.step(loss)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            diverged = step
+            break
+        try:
+            trainer.step(loss)
+        except NonFiniteGradientError:
+            diverged = step
+            break
+        if tau is not None:
+            clipped = qk_clip(model, tau)
+            clip_steps, clip_heads = clip_steps + (clipped > 0), clip_heads + clipped
         t_train += time.perf_counter() - t0
-        running, seen = running + float(loss.detach()), seen + 1
+        running, seen = running + value, seen + 1
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             model.eval()
+            val_loss = _loss(model, x_eval, y_eval)
+            if not math.isfinite(val_loss):
+                diverged = step
+                break
             curves["step"].append(step)
             curves["train_loss"].append(running / seen)
-            curves["val_loss"].append(_loss(model, x_eval, y_eval))
+            curves["val_loss"].append(val_loss)
+            with torch.no_grad():
+                curves["max_output_logit"].append(float(model(probe).abs().max()))
             log_mechanism(mechanism, model, lambda: model(probe))
             model.train()
             running, seen = 0.0, 0
-            if not math.isfinite(curves["val_loss"][-1]):
-                raise FloatingPointError(f"validation loss became {curves['val_loss'][-1]} at step {step}")
         if progress is not None:
             progress(step, cfg["steps"])
     model.eval()
-    prompt = corpus.val[:1].to(device)
-    sample = corpus.decode(prompt) + corpus.decode(model.sample(prompt, SAMPLE_CHARS, torch.Generator().manual_seed(0)))
+    sample = ""
+    if diverged is None:
+        prompt = corpus.val[:1].to(device)
+        generated = model.sample(prompt, SAMPLE_CHARS, torch.Generator().manual_seed(0))
+        sample = corpus.decode(prompt) + corpus.decode(generated)
     return {
         "data_source": corpus.source,
         "data_sha256": corpus.sha256,
         "pairing": {"init_sha256": trainer.fingerprint, "order_sha256": order_hash.hexdigest()[:16]},
         "metrics": {
-            "final_val_loss": curves["val_loss"][-1],
-            "best_val_loss": min(curves["val_loss"]),
-            "final_train_loss": curves["train_loss"][-1],
+            "final_val_loss": curves["val_loss"][-1] if diverged is None else None,
+            "best_val_loss": min(curves["val_loss"], default=None),
+            "final_train_loss": curves["train_loss"][-1] if curves["train_loss"] and diverged is None else None,
             "eval_split": cfg["split"],
+            "diverged_at_step": diverged,  # None: trained to the end with finite losses
+            "uniform_loss": math.log(corpus.vocab_size),  # a uniform prediction's loss: what a diverged run counts
+            **({"qk_clip_steps": clip_steps, "qk_clip_heads": clip_heads} if tau is not None else {}),
         },
         "curves": {**curves, "mechanism": mechanism},
         "sample": sample,
@@ -268,8 +339,9 @@ class LMFamily(Family):
     help = "character-level language modelling on tiny Shakespeare (or any UTF-8 text)"
     profiles = PROFILES
     experiments = EXPERIMENTS
-    reproduce_order = ("lr-sweep", "main", "scaling")
+    reproduce_order = ("lr-sweep", "main", "scaling", "lr-stability")
     controls_experiment = "main"
+    mechanism_experiment = "lr-stability"
     default_data_sha256 = DEFAULT_TEXT_SHA256
 
     def add_arguments(self, parser) -> None:

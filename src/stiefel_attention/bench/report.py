@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .family import Plan, all_families, get_family
 from .fmt import fmt_ci, fmt_p, fmt_t
-from .geometry import geometry_section, verdicts_by_testbed
+from .geometry import geometry_section, mechanism_section, verdicts_by_testbed
 from .records import read_record, write_json_atomic
 
 __all__ = [
@@ -178,6 +178,8 @@ def write_claims_report(results_dir: str | Path) -> list[Path]:
     testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
     geometry = geometry_section(results_dir, testbeds)
     lines += ["", *geometry] if geometry else []
+    mechanism = mechanism_section(results_dir, [(f.name, f.title, f.mechanism_experiment) for f in all_families()])
+    lines += mechanism
     report = results_dir / "REPORT.md"
     report.write_text("\n".join(lines) + "\n")
     runs = ", ".join(f"`{f.name}/runs`" for f in all_families() if (results_dir / f.name / "runs").is_dir())

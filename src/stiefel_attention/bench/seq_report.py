@@ -10,9 +10,11 @@ from .arms import arm_spec
 from .family import Plan
 from .fmt import fmt_ci, fmt_num, fmt_runs, fmt_seeds
 from .geometry import (
+    PRECONDITION_WORDS,
     SENSITIVITY,
     Measure,
     all_censored,
+    compare,
     controls_markdown,
     controls_summary,
     decay_markdown,
@@ -29,7 +31,15 @@ from .stats import describe
 
 __all__ = ["VAL_LOSS", "STEPS_TO_SOLVE", "write_lm_report", "write_mqar_report"]
 
-VAL_LOSS = Measure("validation loss", "nats/char", lambda r: r["metrics"]["final_val_loss"], higher_is_better=False)
+
+def _final_loss(rec: dict) -> float:
+    """Final validation loss; a run that diverged counts as a uniform prediction's loss (its cap, as in Wortsman
+    et al.'s learning-rate sensitivity), and says so in metrics.diverged_at_step."""
+    loss = rec["metrics"]["final_val_loss"]
+    return rec["metrics"]["uniform_loss"] if loss is None else loss
+
+
+VAL_LOSS = Measure("validation loss", "nats/char", _final_loss, higher_is_better=False)
 FINAL_ACC = Measure("final test accuracy", "pp", lambda r: 100 * r["metrics"]["final_eval_acc"], True)
 STEPS_TO_SOLVE = time_to(
     "steps to 99% test accuracy (never: budget + 1)", "steps", "step_eval_acc_99", "steps", FINAL_ACC
@@ -112,9 +122,212 @@ def lm_summary(experiment: str, records: list[dict]) -> dict:
         summary["sweep"] = sweep_summary(records, VAL_LOSS, _swept)
     elif experiment == "scaling":
         summary["scaling"] = lead_summary(records, VAL_LOSS, "steps")
+    elif experiment == "lr-stability":
+        summary["stability"] = stability_summary(records)
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
     return summary
+
+
+# --- lr-stability -------------------------------------------------------------------------------------------
+
+
+def _stability_label(config: dict) -> str:
+    return config["arm"] + (f"+clip{config['qk_clip']:g}" if "qk_clip" in config else "")
+
+
+def _peak(rec: dict, name: str) -> float | None:
+    """The largest value over training of a mechanism metric's largest head (max over layers), or None."""
+    points = rec["curves"].get("mechanism", {}).get(name) or []
+    vals = [layer[2] for point in points for layer in point if layer[2] is not None]
+    return max(vals) if vals else None
+
+
+def stability_summary(records: list[dict]) -> dict:
+    """Per run (arm, with QK-Clip or not) and learning-rate multiplier m: the final validation loss capped at a
+    uniform prediction's (a diverged run counts as that), how many diverged, the largest attention and output
+    logits over training; paired comparisons with adamw at every m; each run's learning-rate sensitivity
+    (Wortsman et al.: the mean over the sweep of the capped loss minus the run's best over the sweep, per seed)
+    with its paired difference from adamw's; the precondition and a verdict."""
+    cap = next((r["metrics"]["uniform_loss"] for r in records if "uniform_loss" in r["metrics"]), None)
+    table: dict[float, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    cells: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    for rec in records:
+        c = rec["config"]
+        m, label = c.get("lr_multiplier", 1.0), _stability_label(c)
+        loss = _final_loss(rec) if cap is None else min(_final_loss(rec), cap)
+        table[m][label][c["seed"]] = loss
+        cells[(label, m)].append(rec)
+    multipliers = sorted(table)
+    labels = sorted({label for label, _ in cells}, key=lambda a: (a.split("+")[0] != "adamw", "+" in a, a))
+    points = {}
+    for (label, m), recs in sorted(cells.items()):
+        peaks = [x for x in (_peak(r, "max_logit") for r in recs) if x is not None]
+        outs = [max(r["curves"]["max_output_logit"]) for r in recs if r["curves"].get("max_output_logit")]
+        points.setdefault(label, {})[f"{m:g}"] = {
+            "loss": describe(list(table[m][label].values())),
+            "diverged": sum(r["metrics"].get("diverged_at_step") is not None for r in recs),
+            "diverged_at": sorted(
+                r["metrics"]["diverged_at_step"] for r in recs if r["metrics"].get("diverged_at_step")
+            ),
+            "max_attention_logit": max(peaks) if peaks else None,
+            "max_output_logit": max(outs) if outs else None,
+        }
+    vs_adamw = {
+        f"{m:g}": [st for label in labels if label != "adamw" and (st := compare(table[m], label, "adamw"))]
+        for m in multipliers
+    }
+    # sensitivity per seed over the multipliers every run of that seed has
+    sens: dict[str, dict[int, float]] = defaultdict(dict)
+    for label in labels if len(multipliers) > 1 else ():  # one multiplier is no sweep
+        seeds = set.intersection(*(set(table[m][label]) for m in multipliers))
+        for seed in seeds:
+            losses = [table[m][label][seed] for m in multipliers]
+            sens[label][seed] = sum(losses) / len(losses) - min(losses)
+    sensitivity = {label: describe(list(v.values())) for label, v in sens.items()}
+    sens_vs = [st for label in labels if label != "adamw" and (st := compare(sens, label, "adamw"))]
+    return {
+        "cap": cap,
+        "multipliers": [f"{m:g}" for m in multipliers],
+        "labels": labels,
+        "points": points,
+        "vs_adamw": vs_adamw,
+        "sensitivity": sensitivity,
+        "sensitivity_vs_adamw": sens_vs,
+        "precondition": _stability_precondition(points, table, multipliers),
+        "verdict": _stability_verdict(sens_vs, sensitivity),
+    }
+
+
+def _stability_precondition(points: dict, table, multipliers: list[float]) -> dict:
+    """At the largest multiplier with adamw runs: do adamw's attention logits grow (at least 3x their m = 1 value)
+    and does adamw trail qk-norm clearly (by 0.1 nats/char or more, and significantly where seeds allow)?"""
+    adamw = points.get("adamw", {})
+    ms = [m for m in multipliers if f"{m:g}" in adamw]
+    if "1" not in adamw or len(ms) < 2:
+        return {"met": None, "text": "not measured (needs adamw at m = 1 and a larger m)"}
+    top = max(ms)
+    base, high = adamw["1"]["max_attention_logit"], adamw[f"{top:g}"]["max_attention_logit"]
+    growth = high / base if base and high is not None else None
+    gap = compare(table[top], "adamw", "qk-norm")
+    trails = gap is not None and gap["mean_diff"] >= 0.1 and (gap["n_seeds"] < 2 or gap["ci95"][0] > 0)
+    grows = growth is not None and growth >= 3.0
+    diverged = adamw[f"{top:g}"]["diverged"]
+    text = (
+        f"at m = {top:g}, adamw's largest attention logit over training is "
+        + (f"{growth:.1f}x its m = 1 value ({high:.1f} vs {base:.1f})" if growth is not None else "not measured")
+        + (f"; {diverged} of its runs diverged" if diverged else "")
+        + (
+            f"; adamw − qk-norm final loss {gap['mean_diff']:+.3f} nats/char "
+            + (f"{fmt_ci(gap['ci95'], 3)}" if gap["n_seeds"] > 1 else "(1 seed)")
+            if gap
+            else "; qk-norm not run there"
+        )
+    )
+    return {"met": bool(grows and trails), "logit_growth": growth, "text": text}
+
+
+def _stability_verdict(sens_vs: list[dict], sensitivity: dict) -> str:
+    """Do the frames buy high-learning-rate stability? stiefel-adam's sensitivity against adamw's and qk-norm's."""
+    by = {c["arm"]: c for c in sens_vs}
+    st = by.get("stiefel-adam")
+    if st is None:
+        return "not measured"
+    lo, hi = st["ci95"]
+    if not (hi < 0):
+        return (
+            "no: stiefel-adam's learning-rate sensitivity is not significantly below adamw's "
+            f"({st['mean_diff']:+.3f} nats/char {fmt_ci(st['ci95'], 3)})"
+        )
+    qk = sensitivity.get("qk-norm")
+    ours = sensitivity.get("stiefel-adam")
+    less = "stiefel-adam is significantly less sensitive to the learning rate than adamw"
+    if qk and ours and ours["mean"] <= qk["mean"]:
+        return f"yes: {less}, and no more than qk-norm"
+    return f"partly: {less}, but more than qk-norm"
+
+
+def stability_markdown(summary: dict) -> list[str]:
+    ms = summary["multipliers"]
+    lines = [
+        "Every rate of an arm (its tuned rates) times m; adamw+clip is adamw with QK-Clip at the profile's threshold. "
+        f"Loss: final validation loss in nats/char, capped at a uniform prediction's ({fmt_num(summary['cap'], 3)}), "
+        "which is what a diverged run counts as. Sensitivity (Wortsman et al. 2023): per seed, the mean over m of the "
+        "capped loss minus the seed's best over m; lower is more stable.",
+        "",
+        f"Precondition ({PRECONDITION_WORDS[summary['precondition']['met']]}): {summary['precondition']['text']}.",
+        "",
+        "| run | " + " | ".join(f"m = {m}" for m in ms) + " | sensitivity |",
+        "|---|" + "---|" * len(ms) + "---|",
+    ]
+    for label in summary["labels"]:
+        row = []
+        for m in ms:
+            pt = summary["points"][label].get(m)
+            if pt is None:
+                row.append("—")
+                continue
+            div = f" ({pt['diverged']} diverged)" if pt["diverged"] else ""
+            row.append(f"{pt['loss']['mean']:.3f}{div}")
+        sens = summary["sensitivity"].get(label)
+        row.append(f"{sens['mean']:.3f} ({fmt_seeds(sens['n'])})" if sens else "—")
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Largest attention logit over training (largest head of any layer, any seed; n/a where every run diverged "
+        "before its first evaluation):",
+        "",
+        "| run | " + " | ".join(f"m = {m}" for m in ms) + " |",
+        "|---|" + "---|" * len(ms),
+    ]
+    for label in summary["labels"]:
+        pts = summary["points"][label]
+        lines.append(
+            f"| {label} | "
+            + " | ".join(fmt_num(pts[m]["max_attention_logit"], 3) if m in pts else "—" for m in ms)
+            + " |"
+        )
+    lines += ["", "| comparison | m | mean diff (nats/char) | 95% CI | seeds |", "|---|---|---|---|---|"]
+    for m in ms:
+        for st in summary["vs_adamw"][m]:
+            lines.append(
+                f"| {st['arm']} − adamw | {m} | {st['mean_diff']:+.3f} | {fmt_ci(st['ci95'], 3)} | {st['n_seeds']} |"
+            )
+    for st in summary["sensitivity_vs_adamw"]:
+        lines.append(
+            f"| {st['arm']} − adamw, sensitivity | all | {st['mean_diff']:+.3f} | {fmt_ci(st['ci95'], 3)} | "
+            f"{st['n_seeds']} |"
+        )
+    lines += ["", f"Do the frames buy high-learning-rate stability? **{summary['verdict']}**.", ""]
+    return lines
+
+
+def stability_plot(summary: dict, out_dir: Path, made: list[str]) -> None:
+    """Capped final loss and the largest attention logit against the learning-rate multiplier, a line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .fmt import save_figure
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label in summary["labels"]:
+        pts = summary["points"][label]
+        ms = sorted(pts, key=float)
+        axes[0].plot([float(m) for m in ms], [pts[m]["loss"]["mean"] for m in ms], marker="o", lw=1.2, label=label)
+        logit = [(float(m), pts[m]["max_attention_logit"]) for m in ms if pts[m]["max_attention_logit"] is not None]
+        axes[1].plot([x for x, _ in logit], [y for _, y in logit], marker="o", lw=1.2, label=label)
+    if summary["cap"] is not None:
+        axes[0].axhline(summary["cap"], color="gray", ls=":", lw=0.8, label="uniform prediction (cap)")
+    axes[0].set_ylabel("final validation loss, capped (nats/char)")
+    axes[1].set_ylabel("largest attention logit over training")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("learning-rate multiplier m")
+    axes[0].legend(fontsize=7)
+    save_figure(fig, out_dir, "lr_stability.png", made, dpi=110)
 
 
 def lm_markdown(summary: dict, profile: str) -> str:
@@ -139,6 +352,8 @@ def lm_markdown(summary: dict, profile: str) -> str:
         lines += sweep_markdown(summary["sweep"])
     if "scaling" in summary:
         lines += decay_markdown(summary["scaling"], digits=3)
+    if "stability" in summary:
+        lines += stability_markdown(summary["stability"])
     for arm, text in sorted(summary.get("samples", {}).items()):
         lines += [f"Sample, {arm}, seed 0 (300 characters at a fixed sampling seed):", "", "```", text, "```", ""]
     lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
@@ -153,6 +368,8 @@ def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str,
             mechanism_plot(summary["controls"], exp_dir, made)
         if "scaling" in summary:
             lead_plot(summary["scaling"], exp_dir, made)
+        if "stability" in summary:
+            stability_plot(summary["stability"], exp_dir, made)
         return made
 
     return write_experiment(out_dir, experiment, lm_summary(experiment, records), plots, lm_markdown, profile, plan)
