@@ -1107,12 +1107,31 @@ def test_non_contiguous_frame_trains_through_autograd():
 
 
 class _NoHostSync(TorchDispatchMode):
-    """Fails on aten._local_scalar_dense, which every .item(), bool() and float() of a tensor goes through."""
+    """Fails on aten._local_scalar_dense, which every .item(), bool() and float() of a tensor goes through.
+
+    `host_counters`: tensors that live on the host by design whatever the parameters' device (torch's
+    non-fused AdamW keeps its step counts on the CPU and reads them: no device synchronisation on a GPU), so
+    reading them is allowed; on a CPU-only machine nothing else tells a host read from a device one."""
+
+    def __init__(self, host_counters=()):
+        super().__init__()
+        self.allowed = {t.data_ptr() for t in host_counters}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].data_ptr() not in self.allowed:
             raise AssertionError("device-to-host synchronisation (.item()/bool()/float() of a tensor) in step()")
         return func(*args, **(kwargs or {}))
+
+
+def _adamw_step_counts(opt) -> list[torch.Tensor]:
+    """The host-side step counts of an optimizer's non-fused AdamW groups (see _NoHostSync)."""
+    return [
+        opt.state[p]["step"]
+        for g in opt.param_groups
+        if not g["stiefel"] and not g["fused"]
+        for p in g["params"]
+        if "step" in opt.state[p]
+    ]
 
 
 def test_no_host_sync_mode_catches_item():
@@ -1121,17 +1140,22 @@ def test_no_host_sync_mode_catches_item():
 
 
 @pytest.mark.parametrize("cls", ["adam", "sgd"])
-def test_skip_mode_with_max_step_steps_without_host_syncs(tiny_model, token_batches, cls):
-    """The sync-free configuration: max_step set, nonfinite='skip', AdamW groups fused."""
+@pytest.mark.parametrize("adamw", [dict(fused=True), dict(foreach=True), dict(foreach=False)], ids=str)
+def test_skip_mode_with_max_step_steps_without_host_syncs(tiny_model, token_batches, cls, adamw):
+    """The sync-free configuration: max_step set, nonfinite='skip'; AdamW groups fused (skipped on the device)
+    or not (masked back, no branch)."""
     model = tiny_model()
     groups = param_groups(model, weight_decay=0.1, frame_lr=0.02)
-    kw = dict(max_step=0.1, nonfinite="skip", fused=True)
+    kw = dict(max_step=0.1, nonfinite="skip", **adamw)
     opt = StiefelAdam(groups, lr=3e-3, **kw) if cls == "adam" else StiefelSGD(groups, lr=3e-3, momentum=0.9, **kw)
     data = token_batches(4)
     for x, y in data:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        with _NoHostSync():
+        if not opt.state:  # the first step creates the state, step counts included
+            opt.step()
+            continue
+        with _NoHostSync(_adamw_step_counts(opt)):
             opt.step()
     for name, W in frames(model):
         assert float(isometry_error(W)) < 1e-5, name
@@ -1235,5 +1259,67 @@ def test_step_under_torch_compile_matches_eager(tiny_model, token_batches):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         for name, W in frames(runs[1]):
             assert float(isometry_error(W)) < 1e-5, name
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("adamw", [dict(fused=True), dict(foreach=True), dict(foreach=False)], ids=str)
+def test_skip_mode_leaves_an_adamw_group_with_a_bad_gradient_untouched(adamw):
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+    opt = StiefelAdam([{"params": ps, "stiefel": False}], lr=0.1, weight_decay=0.1, nonfinite="skip", **adamw)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    before = [p.detach().clone() for p in ps]
+    moments = [{k: v.clone() for k, v in opt.state[p].items()} for p in ps]
+    ps[0].grad, ps[1].grad = torch.randn(4, 3), torch.full((5,), float("nan"))
+    opt.step()
+    for p, b, m in zip(ps, before, moments):
+        assert torch.equal(p, b)  # the whole group keeps its values, the finite gradient's parameter too
+        assert torch.equal(opt.state[p]["exp_avg"], m["exp_avg"]) and torch.equal(
+            opt.state[p]["exp_avg_sq"], m["exp_avg_sq"]
+        )
+        # non-fused, the count advances, as the frames' does; torch's fused kernel does not advance it
+        assert float(opt.state[p]["step"]) == float(m["step"]) + (0 if adamw.get("fused") else 1)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert not torch.equal(ps[0], before[0])
+
+
+@pytest.mark.slow
+def test_the_whole_skip_mode_step_compiles_and_equals_the_eager_step(tiny_model, token_batches):
+    """torch.compile(opt.step, fullgraph=True) captures the whole step, frames and AdamW groups, as graphs with no
+    host read: fullgraph refuses a graph break, which every .item()/bool() would be, and the captured graphs are
+    checked for scalar reads too (a dispatch mode cannot watch a compiled call). Equal to the eager step.
+    aot_eager keeps CI fast; benchmarks/gpu_check.py compiles with inductor on a GPU."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = []
+
+    def inspect(gm, example_inputs):  # every aten graph the step compiles to
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    try:
+        eager_model, compiled_model = tiny_model(), tiny_model()
+        kw = dict(max_step=0.1, nonfinite="skip", foreach=True)
+        eager = StiefelAdam(param_groups(eager_model, weight_decay=0.1, frame_lr=0.02), lr=3e-3, **kw)
+        compiled = StiefelAdam(param_groups(compiled_model, weight_decay=0.1, frame_lr=0.02), lr=3e-3, **kw)
+        step = torch.compile(compiled.step, fullgraph=True, backend=aot_autograd(fw_compiler=inspect))
+        for x, y in token_batches(3):
+            for model, opt_step in ((eager_model, eager.step), (compiled_model, step)):
+                F.cross_entropy(model(x), y).backward()
+                opt_step()
+                model.zero_grad()
+        for (name, a), b in zip(eager_model.named_parameters(), compiled_model.parameters()):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert graphs
+        reads = [n for g in graphs for n in g.graph.nodes if "_local_scalar_dense" in str(n.target)]
+        assert reads == [], reads
     finally:
         torch._dynamo.reset()

@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
+from ._dtensor import GATHER, all_reduce_over_mesh, frame_layout, is_dtensor, like_frames_batch
 from .manifold import check_frames, inv_sqrt_gram, isometry_error, polar_retract, project_tangent, sym
 
 __all__ = [
@@ -103,6 +104,18 @@ _START_TOLERANCE = 1e-3
 
 
 def _check_start(p: Tensor, where: str) -> None:
+    if is_dtensor(p):  # every rank checks what it holds; the verdict is the whole mesh's
+        layout = frame_layout(p, where)
+        local = p.to_local()
+        if local.is_meta:
+            return
+        whole = p.full_tensor() if layout == GATHER else local
+        _check_values(whole, where, mesh=p.device_mesh)
+        return
+    _check_values(p, where)
+
+
+def _check_values(p: Tensor, where: str, mesh=None) -> None:
     try:
         check_frames(p, name=where)
     except (ValueError, TypeError) as err:
@@ -116,12 +129,15 @@ def _check_start(p: Tensor, where: str) -> None:
             "(one scalar second moment per frame overflows half precision). Keep W_Q, W_K in float32 "
             "as master weights; autocast still runs the attention matmuls in half precision."
         )
-    if p.is_meta or p.numel() == 0:
+    if p.is_meta or (p.numel() == 0 and mesh is None):
         # No values to check: a model built on the meta device (frames drawn later, by reset_parameters
         # after to_empty) or an empty shard of a sharded parameter. The first step retracts whatever is
         # there, but it cannot make uninitialised memory a sensible frame: initialise before training.
         return
-    err = float(isometry_error(p))
+    err = isometry_error(p).double().reshape(1) if p.numel() else torch.zeros(1, dtype=torch.float64)
+    if mesh is not None:  # an empty shard still takes part in the mesh's verdict
+        err = all_reduce_over_mesh(err.nan_to_num(nan=math.inf).to(p.device), torch.distributed.ReduceOp.MAX, mesh)
+    err = float(err)
     tol = _START_TOLERANCE
     if not math.isfinite(err) or err > tol:
         raise ValueError(
@@ -454,11 +470,16 @@ def _batched_retract(
             _keep_where(keep[i], _frames_view(W), _frames_view(buf))  # Y = W exactly where skipped
 
 
-def _refuse_if_non_finite(values: list[Tensor], names: Sequence[str]) -> None:
-    """One host sync: raise NonFiniteGradientError naming every entry of `values` that is not all finite."""
+def _refuse_if_non_finite(values: list[Tensor], names: Sequence[str], meshes: Sequence = ()) -> None:
+    """One host sync: raise NonFiniteGradientError naming every entry of `values` that is not all finite.
+
+    With meshes (some values are a rank's part of DTensors), the flags are combined over every rank of each
+    mesh first, so that all ranks refuse, or all step, together."""
     if not values:
         return
     ok = torch.stack([torch.isfinite(x).all() for x in values])
+    for mesh in meshes:
+        ok = all_reduce_over_mesh(ok.to(torch.float32), torch.distributed.ReduceOp.MIN, mesh).bool()
     if not bool(ok.all()):
         raise _non_finite_error([names[i] for i in torch.nonzero(~ok).flatten().tolist()])
 
@@ -617,10 +638,11 @@ class _RiemannianOptimizer(Optimizer):
                 )
         super().load_state_dict(state_dict)
 
-    def _workspace(self, p: Tensor) -> Tensor:
+    def _workspace(self, p: Tensor, like: Tensor) -> Tensor:
+        """p's scratch buffer, shaped like the tensor its step works on (p itself, or a DTensor's frames)."""
         buf = self._workspaces.get(p)
-        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-            buf = torch.empty_like(p, memory_format=torch.contiguous_format)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty_like(like, memory_format=torch.contiguous_format)
             self._workspaces[p] = buf
         return buf
 
@@ -632,12 +654,15 @@ class _RiemannianOptimizer(Optimizer):
             )
         return p.grad
 
-    def _frame_batches(self) -> list[tuple[dict, list[list], list[str]]]:
-        """Frames with gradients grouped by shape within each frame group: (group, lists, names).
+    def _frame_batches(self) -> tuple[list[tuple[dict, list[list], list[str]]], list[tuple], list]:
+        """Frames with gradients grouped by shape within each frame group: (group, lists, names); the
+        write-backs of gathered DTensor frames; the device meshes of DTensor frames.
 
-        lists[0] are the frames, lists[1] their gradients, then the subclass's state items.
+        lists[0] are the frames, lists[1] their gradients, then the subclass's state items, then the
+        workspaces; all plain tensors: a DTensor's local part (whole frames) or its gathered frames, whose
+        new values `_write_back` returns to each rank's slice after the step.
         """
-        batches = []
+        batches, write_backs, meshes = [], [], []
         for gi, group in enumerate(self.param_groups):
             if not group["stiefel"]:
                 continue
@@ -645,13 +670,35 @@ class _RiemannianOptimizer(Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                key = (p.shape[-2], p.shape[-1], p.dtype, p.device)  # frames of one shape: one batch
-                lists, names = per_key.setdefault(key, ([[] for _ in range(2 + self._n_frame_items)], []))
-                for lst, item in zip(lists, (p, self._grad_of(p), *self._frame_state(group, p, self.state[p]))):
+                name = f"param_groups[{gi}]['params'][{i}]"
+                items = (p, self._grad_of(p), *self._frame_state(group, p, self.state[p]))
+                if is_dtensor(p):
+                    if all(p.device_mesh is not m for m in meshes):
+                        meshes.append(p.device_mesh)
+                    if frame_layout(p, name) == GATHER:
+                        whole = [t.full_tensor() if is_dtensor(t) else t for t in items]
+                        write_backs.append([(t, w) for t, w in zip(items, whole) if is_dtensor(t)])
+                        items = tuple(whole)
+                    else:
+                        items = tuple(t.to_local() if is_dtensor(t) else t for t in items)
+                W = items[0]
+                key = (W.shape[-2], W.shape[-1], W.dtype, W.device)  # frames of one shape: one batch
+                lists, names = per_key.setdefault(key, ([[] for _ in range(3 + self._n_frame_items)], []))
+                for lst, item in zip(lists, (*items, self._workspace(p, W))):
                     lst.append(item)
-                names.append(f"param_groups[{gi}]['params'][{i}]")
+                names.append(name)
             batches += [(group, lists, names) for lists, names in per_key.values()]
-        return batches
+        return batches, write_backs, meshes
+
+    @staticmethod
+    def _write_back(write_backs: list) -> None:
+        """Each rank keeps its slice of the gathered frames (and moments) the step updated; no communication."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        for pairs in write_backs:
+            for dt, whole in pairs:
+                everywhere = DTensor.from_local(whole, dt.device_mesh, [Replicate()] * dt.device_mesh.ndim)
+                dt.to_local().copy_(everywhere.redistribute(dt.device_mesh, dt.placements).to_local())
 
     def _adamw_groups(
         self,
@@ -697,8 +744,10 @@ class _RiemannianOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        frame_batches = self._frame_batches()
+        frame_batches, write_backs, meshes = self._frame_batches()
         adamw_groups = self._adamw_groups()
+        for group, params, *_ in adamw_groups:
+            meshes += [p.device_mesh for p in params if is_dtensor(p) and all(p.device_mesh is not m for m in meshes)]
         fast = [self._fast(group, lists) for group, lists, _ in frame_batches]
         pre = [
             _batched_tangent_sq_norms(lists[0], lists[1]) if is_fast else None
@@ -712,9 +761,9 @@ class _RiemannianOptimizer(Optimizer):
                 values += p[1] if p is not None else lists[1]
                 names += batch_names
             for group, params, grads, *_, group_names in adamw_groups:
-                values += grads
+                values += [g.to_local() if is_dtensor(g) else g for g in grads]
                 names += group_names
-            _refuse_if_non_finite(values, names)
+            _refuse_if_non_finite(values, names, meshes)
         else:
             keeps = [
                 [sq.isfinite() for sq in p[1]]
@@ -724,19 +773,27 @@ class _RiemannianOptimizer(Optimizer):
             ]
         for (group, lists, _), is_fast, p, keep in zip(frame_batches, fast, pre, keeps):
             self._frame_step(group, lists, is_fast, p, keep)
+        if write_backs:
+            self._write_back(write_backs)
         for group, params, grads, exp_avgs, exp_avg_sqs, steps, _ in adamw_groups:
-            self._adamw_step(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+            self._adamw_step(group, params, grads, exp_avgs, exp_avg_sqs, steps, meshes)
         return loss
 
-    def _adamw_step(self, group, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-        """torch's functional AdamW on one group; in skip mode a group with a non-finite gradient is skipped."""
-        found_inf = None
+    def _adamw_step(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, meshes=()) -> None:
+        """torch's functional AdamW on one group. In skip mode a group with a non-finite gradient keeps its
+        parameters and moments, with no host synchronisation: the fused kernel skips on the device (found_inf);
+        otherwise the update runs and is masked back (a copy of the group's parameters and moments per step),
+        and the step count advances, as the frames' does (torch's fused kernel does not advance it)."""
+        found_inf, kept = None, None
         if self.nonfinite == "skip":
-            bad = torch.stack([~g.isfinite().all() for g in grads]).any()
+            bad = torch.stack([~(g.to_local() if is_dtensor(g) else g).isfinite().all() for g in grads]).any()
+            for mesh in meshes:  # every rank of a sharded group decides alike
+                bad = all_reduce_over_mesh(bad.to(torch.float32), torch.distributed.ReduceOp.MAX, mesh).bool()
             if group["fused"]:
                 found_inf = bad.to(torch.float32)  # the fused kernel skips the update on the device
-            elif bool(bad):
-                return
+            else:
+                tensors = [t.to_local() if is_dtensor(t) else t for t in (*params, *exp_avgs, *exp_avg_sqs)]
+                kept = (bad, tensors, [t.clone() for t in tensors])
         beta1, beta2 = group["betas"]
         _torch_adamw(
             params,
@@ -760,6 +817,10 @@ class _RiemannianOptimizer(Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+        if kept is not None:
+            bad, tensors, before = kept
+            for now, old in zip(tensors, before):
+                torch.where(bad, old, now, out=now)
 
     def _fast(self, group: dict, lists: list[list]) -> bool:
         return group["batched"] is not False and all(p.is_contiguous() for p in lists[0])
@@ -802,7 +863,7 @@ class StiefelAdam(_RiemannianOptimizer):
             nonfinite="skip", fused AdamW groups skip a non-finite step on the device.
     """
 
-    _n_frame_items = 4
+    _n_frame_items = 3
 
     def __init__(
         self,
@@ -851,9 +912,13 @@ class StiefelAdam(_RiemannianOptimizer):
         if len(state) == 0:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            v_shape = p.shape[:-2] if group["second_moment"] == "frame" else p.shape
-            state["exp_avg_sq"] = torch.zeros(v_shape, dtype=p.dtype, device=p.device)
-        return state["exp_avg"], state["exp_avg_sq"], state["step"], self._workspace(p)
+            if group["second_moment"] != "frame":
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif is_dtensor(p):  # one scalar per frame, placed like the frames (checkpoints reshard it with them)
+                state["exp_avg_sq"] = like_frames_batch(p, p.dtype)
+            else:
+                state["exp_avg_sq"] = torch.zeros(p.shape[:-2], dtype=p.dtype, device=p.device)
+        return state["exp_avg"], state["exp_avg_sq"], state["step"]
 
     def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
         beta1, beta2 = group["betas"]
@@ -881,7 +946,7 @@ class StiefelSGD(_RiemannianOptimizer):
     the group, torch's defaults otherwise), as in StiefelAdam.
     """
 
-    _n_frame_items = 2
+    _n_frame_items = 1
 
     def __init__(
         self,
@@ -921,7 +986,7 @@ class StiefelSGD(_RiemannianOptimizer):
     def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
         if group["momentum"] != 0.0 and "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        return state.get("momentum_buffer"), self._workspace(p)
+        return (state.get("momentum_buffer"),)
 
     def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
         stiefel_sgd(
