@@ -25,12 +25,11 @@ import platform
 import statistics
 
 import torch
-import torch.nn.functional as F
 
 from readme import replace_block  # benchmarks/readme.py, beside this script
 from stiefel_attention import StiefelAdam, param_groups, random_frame
 from stiefel_attention.bench.models import PatchViT
-from timing import round_robin
+from timing import round_robin, training_step
 
 LAYERS, HEADS, D_MODEL, HEAD_DIM = 12, 12, 768, 64
 # sync-free: max_step=0.1 and nonfinite="skip", the configuration whose step never reads the device back
@@ -78,14 +77,7 @@ def training_step_benchmark(repeats: int, batch: int) -> dict[str, float]:
         torch.manual_seed(0)
         model = PatchViT(qk=qk)
         opt = StiefelAdam(param_groups(model, weight_decay=0.05, frame_lr=1e-2), lr=1e-3)
-
-        def step(model=model, opt=opt):
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        fns[arm] = step
+        fns[arm] = training_step(model, opt, x, y)
     times = round_robin(fns, repeats)
     return {name: statistics.median(ts) for name, ts in times.items()}
 

@@ -18,6 +18,7 @@ processes. Rank 0 writes the loss of every step to --loss-log (JSON lines).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -192,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         log.close()
     if distributed:
         dist.barrier()  # no rank tears the group down while another still uses it
+        # FSDP's state holds the process group: release it first (left to interpreter exit, its teardown
+        # sometimes aborted a rank after training had finished: "terminate called without an active exception")
+        del model, opt, sched
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -16,6 +16,9 @@ This module is the only place the optimizers touch torch.distributed; without it
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 from torch import Tensor
 
@@ -24,6 +27,7 @@ __all__ = ["LOCAL", "GATHER", "all_reduce_over_mesh", "frame_layout", "is_dtenso
 LOCAL, GATHER = "local", "gather"
 
 
+@functools.lru_cache(maxsize=1)
 def _dtensor_types():
     if not torch.distributed.is_available():
         return None
@@ -35,8 +39,10 @@ def _dtensor_types():
 
 
 def is_dtensor(t) -> bool:
-    types = _dtensor_types()
-    return types is not None and isinstance(t, types[0])
+    # No tensor can be a DTensor before torch.distributed.tensor is imported: look it up, never import it here
+    # (importing it costs about a second, and the plain path should not pay for it)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def frame_layout(p: Tensor, where: str) -> str:

@@ -910,7 +910,10 @@ class StiefelAdam(_RiemannianOptimizer):
 
     def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0)
+            # on the device in skip mode (the bias correction is computed there, and a CUDA graph can capture
+            # the step), on the host otherwise (read back once per step for the bias correction)
+            device = (p.to_local() if is_dtensor(p) else p).device if self.nonfinite == "skip" else "cpu"
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             if group["second_moment"] != "frame":
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
