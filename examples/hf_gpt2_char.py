@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> dict:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        # characters are the tokens: id 0 stands in for GPT-2's special tokens (50256, outside this vocabulary)
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = stiefelize(GPT2LMHeadModel(config))  # fresh orthonormal frames for W_Q, W_K
     opt = StiefelAdam(param_groups(model, weight_decay=0.1, frame_lr=1e-2), lr=1e-3, betas=(0.9, 0.99), max_step=0.1)
@@ -72,7 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         xv, yv = next(batches(ids[n:], 64, context, gen))
         val = F.cross_entropy(model(input_ids=xv).logits.flatten(0, 1), yv.flatten()).item()
-        out = model.generate(xv[:1, :8], max_new_tokens=context - 8, do_sample=True, top_k=None, pad_token_id=0)
+        prompt = xv[:1, :8]  # nothing is padded: the mask says so, and generate() need not guess
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=context - 8, do_sample=True,
+                             top_k=None, pad_token_id=0)  # fmt: skip
     worst = max(float(isometry_error(p)) for _, p in frames(model))
     print(f"validation loss {val:.3f} nats/char ({val / math.log(2):.3f} bits); frames orthonormal to {worst:.1e}")
     print("".join(chars[i] for i in out[0].tolist()))

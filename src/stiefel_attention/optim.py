@@ -583,7 +583,9 @@ class _RiemannianOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any], nonfinite: str):
         self.nonfinite = nonfinite
-        super().__init__(params, {**_ADAMW_DEFAULTS, "stiefel": True, **defaults})
+        defaults = {**_ADAMW_DEFAULTS, "stiefel": True, **defaults}
+        self._group_keys = frozenset(defaults)  # what every group of ours holds (torch may add defaults later)
+        super().__init__(params, defaults)
         # Scratch buffers, one per parameter: derived data, so never saved in state_dict.
         self._workspaces: dict[Tensor, Tensor] = {}
 
@@ -620,7 +622,7 @@ class _RiemannianOptimizer(Optimizer):
                 f"{type(self).__name__}.load_state_dict expects an optimizer state dict "
                 "({'state': ..., 'param_groups': [...]}), as state_dict() returns"
             )
-        needed = set(self.defaults) - {"params"}
+        needed = set(self._group_keys)
         for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
             missing = sorted(needed - set(saved))
             if missing:
