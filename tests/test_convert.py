@@ -569,4 +569,6 @@ def test_a_half_precision_model_keeps_float32_frames_and_computes_in_its_dtype(d
 
 def test_the_timm_adapter_matches_the_timm_style_stand_in():
     model = nn.Sequential(TimmStyleAttention(), TimmStyleAttention(qk_norm=True))
-    assert [a.name for _, _, a in convert_module._find(model)] == ["timm Attention (fused nn.Linear qkv)"] * 2
+    assert [a.name for _, _, a in convert_module._find(model)] == [
+        "fused nn.Linear qkv, q | k | v (timm Attention)"
+    ] * 2

@@ -91,7 +91,7 @@ def test_ruff_lint_and_format_are_clean():
     ruff = [sys.executable, "-m", "ruff"]
     if subprocess.run([*ruff, "--version"], capture_output=True).returncode != 0:
         pytest.skip("ruff is not installed (it is in the test extra)")
-    paths = [str(ROOT / p) for p in ("src", "tests", "benchmarks", "examples")]
+    paths = [str(ROOT / p) for p in ("src", "tests", "benchmarks", "examples", "tools")]
     lint = subprocess.run([*ruff, "check", "--no-cache", *paths], capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     fmt = subprocess.run([*ruff, "format", "--check", "--no-cache", *paths], capture_output=True, text=True)

@@ -7,12 +7,16 @@ one per key-value head, (H_kv, d_model, head_dim), and, for fused projections (q
 matrix), the rest of the matrix unchanged as an ordinary tensor. `frames(model)` then finds the
 frame originals, so `StiefelAdam(param_groups(model, ...))` trains them; biases stay Euclidean.
 
-Supported out of the box, one small adapter each: Hugging Face transformers attention with separate
-`q_proj`/`k_proj` (Llama, Qwen2, Mistral and their kin, grouped-query attention included; ViT in
-transformers 5), BERT-style `query`/`key`, GPT-2's fused Conv1D `c_attn`; torch's
-`nn.MultiheadAttention` (packed `in_proj_weight`; also inside `nn.TransformerEncoderLayer`);
-nanoGPT-style `CausalSelfAttention` (fused `c_attn`); timm's `Attention` (fused `qkv`). Register
-another type with `register_adapter`.
+Supported out of the box, one small adapter per layout of the weights rather than per model: separate
+nn.Linear projections named q_proj/k_proj (Llama, Qwen, Mistral, Gemma, OPT, Phi and their kin; grouped- and
+multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeBERTa), q/k (T5), q_lin/k_lin,
+Wq/Wk, project_q/project_k; fused q | k | v weights: GPT-2's Conv1D c_attn, nn.Linear c_attn (nanoGPT,
+GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v interleaved per head in query_key_value
+(GPT-NeoX, Bloom, Persimmon); torch's `nn.MultiheadAttention` (packed `in_proj_weight`; also inside
+`nn.TransformerEncoderLayer`). The heads are read from the module (num_heads, num_attention_heads, n_heads,
+n_head, or its config) and the key heads from the key weight itself. `docs/zoo.md` (tools/zoo.py) lists every
+transformers model type with what happens to it. Register another layout with `register_adapter`; a model
+with no adapter is refused with the reason (`why_not`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "reset_frames",
     "stiefelize",
     "unstiefelize",
+    "why_not",
     "StiefelizeError",
 ]
 
@@ -54,7 +59,9 @@ class Projection:
     owner.<name> is the weight; `rows`: an nn.Linear weight (out, in), used as x W^T; otherwise a
     Conv1D weight (in, out), used as x W. `pieces` lists the blocks along the output dimension in
     order: ("q", n_heads) and ("k", n_kv_heads) are frames of head_dim columns each, ("rest", size)
-    is left as it is (the V part of a fused projection).
+    is left as it is (the V part of a fused projection). `interleaved`: the pieces repeat head by head
+    instead (GPT-NeoX's and Bloom's fused query_key_value: head h's q, k and v units side by side), each
+    piece holding an equal share per head; it needs as many key heads as query heads, and rows.
     """
 
     owner: nn.Module
@@ -62,6 +69,7 @@ class Projection:
     rows: bool
     pieces: tuple[tuple[str, int], ...]
     head_dim: int
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,9 @@ class StiefelProjection(FrameParametrization):
     def __init__(self, p: Projection, d_model: int, init: str, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.rows, self.pieces, self.head_dim, self.d_model, self.init = p.rows, p.pieces, p.head_dim, d_model, init
+        self.interleaved = p.interleaved
+        if p.interleaved and (not p.rows or len({n for kind, n in p.pieces if kind != "rest"}) != 1):
+            raise StiefelizeError("an interleaved projection needs an nn.Linear weight and as many k heads as q heads")
         self.frame_originals = tuple(i for i, (kind, _) in enumerate(p.pieces) if kind != "rest")
         # The weight is assembled in the dtype the module computes in (half precision models keep float32 frames
         # as master weights); a buffer, so that model.to(dtype) / .half() / .float() move it with the model.
@@ -98,6 +109,22 @@ class StiefelProjection(FrameParametrization):
 
     def _width(self, kind: str, n: int) -> int:
         return n if kind == "rest" else n * self.head_dim
+
+    def _split(self, weight: Tensor) -> list[Tensor]:
+        """The weight's block of each piece, in the sequential layout ((units, D) rows, or (D, units))."""
+        widths = [self._width(kind, n) for kind, n in self.pieces]
+        if not self.interleaved:
+            return list(weight.split(widths, dim=0 if self.rows else 1))
+        heads = self.pieces[0][1]
+        shares = [w // heads for w in widths]  # each piece's units per head
+        per_head = weight.reshape(heads, sum(shares), self.d_model).split(shares, dim=1)
+        return [b.reshape(heads * share, self.d_model) for b, share in zip(per_head, shares)]
+
+    def _join(self, blocks: list[Tensor]) -> Tensor:
+        if not self.interleaved:
+            return torch.cat(blocks, dim=0 if self.rows else 1)
+        heads = self.pieces[0][1]
+        return torch.cat([b.reshape(heads, -1, self.d_model) for b in blocks], dim=1).reshape(-1, self.d_model)
 
     def forward(self, *originals: Tensor) -> Tensor:
         blocks = []
@@ -108,27 +135,22 @@ class StiefelProjection(FrameParametrization):
                 blocks.append(t.transpose(1, 2).reshape(n * self.head_dim, self.d_model))
             else:  # (n, D, r) -> (D, n*r)
                 blocks.append(t.permute(1, 0, 2).reshape(self.d_model, n * self.head_dim))
-        return torch.cat(blocks, dim=0 if self.rows else 1).to(self.dtype_of_weight.dtype)
+        return self._join(blocks).to(self.dtype_of_weight.dtype)
 
     def qk_change(self, before: Tensor, after: Tensor) -> float:
         """||W_QK' - W_QK||_F / ||W_QK||_F over the query and key blocks (the rest does not change); NaN on meta."""
         if before.is_meta:
             return float("nan")
-        widths = [self._width(kind, n) for kind, n in self.pieces]
-        dim = 0 if self.rows else 1
         pairs = [
-            (b, a)
-            for (kind, _), b, a in zip(self.pieces, before.split(widths, dim), after.split(widths, dim))
-            if kind != "rest"
+            (b, a) for (kind, _), b, a in zip(self.pieces, self._split(before), self._split(after)) if kind != "rest"
         ]
         diff = sum(float((a.double() - b.double()).square().sum()) for b, a in pairs)
         norm = sum(float(b.double().square().sum()) for b, _ in pairs)
         return (diff / norm) ** 0.5 if norm > 0 else float("inf")
 
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, ...]:
-        widths = [self._width(kind, n) for kind, n in self.pieces]
         out = []
-        for (kind, n), block in zip(self.pieces, weight.split(widths, dim=0 if self.rows else 1)):
+        for (kind, n), block in zip(self.pieces, self._split(weight)):
             if kind == "rest":
                 out.append(block.detach().clone())
                 continue
@@ -150,49 +172,74 @@ class StiefelProjection(FrameParametrization):
 # ---------------------------------------------------------------------------------------------
 
 
+def _first(obj, names: tuple[str, ...]):
+    return next((getattr(obj, n) for n in names if getattr(obj, n, None)), None)
+
+
 def _heads(module: nn.Module) -> tuple[int, int, int]:
-    """(query heads, key-value heads, head_dim) from the usual attribute and config names."""
+    """(query heads, key-value heads, head_dim or 0) from the usual attribute and config names."""
     config = getattr(module, "config", None)
-    H = (
-        getattr(module, "num_heads", None)
-        or getattr(module, "num_attention_heads", None)
-        or getattr(module, "n_head", None)
-        or getattr(config, "num_attention_heads", None)
+    H = _first(module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")) or _first(
+        config, ("num_attention_heads",)
     )
-    Hkv = getattr(config, "num_key_value_heads", None) or getattr(module, "num_key_value_heads", None) or H
-    r = getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)
     if H is None:
         raise StiefelizeError(f"{type(module).__name__}: cannot tell its number of heads")
-    return int(H), int(Hkv), int(r) if r else 0
+    Hkv = _first(config, ("num_key_value_heads",)) or _first(
+        module, ("num_key_value_heads", "num_kv_heads", "kv_n_heads")
+    )
+    if getattr(module, "multi_query", False):  # one key-value head shared by every query head
+        Hkv = 1
+    r = _first(module, ("head_dim", "attention_head_size", "head_size", "dim_head", "key_value_proj_dim"))
+    return int(H), int(Hkv or H), int(r) if r else 0
+
+
+def _has_heads(m: nn.Module) -> bool:
+    names = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
+    return _first(m, names) is not None or _first(getattr(m, "config", None), ("num_attention_heads",)) is not None
 
 
 def _separate(q_name: str, k_name: str) -> Adapter:
     def matches(m: nn.Module) -> bool:
         q, k = getattr(m, q_name, None), getattr(m, k_name, None)
-        return isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and hasattr(m, "config")
+        return isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and _has_heads(m)
 
     def projections(m: nn.Module) -> list[Projection]:
-        H, Hkv, r = _heads(m)
+        H, _, r = _heads(m)
         q, k = getattr(m, q_name), getattr(m, k_name)
         r = r or q.out_features // H
+        Hkv = k.out_features // r  # from the weight itself: a config's key-value heads may not apply to this module
+        if q.out_features != H * r or k.out_features != Hkv * r:
+            raise StiefelizeError(
+                f"{type(m).__name__}: {q_name} has {q.out_features} and {k_name} {k.out_features} outputs, not "
+                f"whole heads of {r}"
+            )
         return [Projection(q, "weight", True, (("q", H),), r), Projection(k, "weight", True, (("k", Hkv),), r)]
 
-    return Adapter(f"transformers ({q_name}, {k_name})", matches, projections)
+    return Adapter(f"separate nn.Linear {q_name}, {k_name}", matches, projections)
 
 
-def _fused(attr: str, rows: bool, label: str, needs: Callable[[nn.Module], bool] = lambda m: True) -> Adapter:
+def _fused(
+    attr: str, rows: bool, label: str, needs: Callable[[nn.Module], bool] = lambda m: True, interleaved: bool = False
+) -> Adapter:
+    """q | k | rest in one weight: the q heads, then the key-value heads, then the rest (V); or, interleaved,
+    head by head."""
+
     def matches(m: nn.Module) -> bool:
         return hasattr(m, attr) and isinstance(getattr(m, attr), nn.Module) and needs(m)
 
     def projections(m: nn.Module) -> list[Projection]:
-        H, _, r = _heads(m)
+        H, Hkv, r = _heads(m)
         fused = getattr(m, attr)
         D = fused.weight.shape[1 if rows else 0]
         r = r or D // H
-        rest = fused.weight.shape[0 if rows else 1] - 2 * H * r
-        return [Projection(fused, "weight", rows, (("q", H), ("k", H), ("rest", rest)), r)]
+        rest = fused.weight.shape[0 if rows else 1] - (H + Hkv) * r
+        return [Projection(fused, "weight", rows, (("q", H), ("k", Hkv), ("rest", rest)), r, interleaved)]
 
     return Adapter(label, matches, projections)
+
+
+def _linear(attr: str) -> Callable[[nn.Module], bool]:
+    return lambda m: isinstance(getattr(m, attr), nn.Linear) and _has_heads(m)
 
 
 def _mha_projections(m: nn.MultiheadAttention) -> list[Projection]:
@@ -220,17 +267,33 @@ for _adapter in (
     _fused(
         "c_attn",
         rows=True,
-        label="nanoGPT CausalSelfAttention (fused nn.Linear c_attn)",
-        needs=lambda m: isinstance(getattr(m, "c_attn"), nn.Linear) and hasattr(m, "n_head"),
+        label="fused nn.Linear c_attn, q | k | v (nanoGPT; GPT-BigCode with multi-query)",
+        needs=_linear("c_attn"),
+    ),
+    _fused("qkv", rows=True, label="fused nn.Linear qkv, q | k | v (timm Attention)", needs=_linear("qkv")),
+    _fused("Wqkv", rows=True, label="fused nn.Linear Wqkv, q | k | v (MPT)", needs=_linear("Wqkv")),
+    _fused(
+        "qkv_proj",
+        rows=True,
+        label="fused nn.Linear qkv_proj, q | k | v with key-value heads (Phi-3)",
+        # a plain q | k | v split only where the config names its key-value heads (CodeGen's qkv_proj, which
+        # interleaves 4 groups of q, v, k, has none)
+        needs=lambda m: _linear("qkv_proj")(m) and _first(getattr(m, "config", None), ("num_key_value_heads",)),
     ),
     _fused(
-        "qkv",
+        "query_key_value",
         rows=True,
-        label="timm Attention (fused nn.Linear qkv)",
-        needs=lambda m: isinstance(getattr(m, "qkv"), nn.Linear) and hasattr(m, "num_heads"),
+        label="fused nn.Linear query_key_value, q, k, v interleaved per head (GPT-NeoX, Bloom, Persimmon)",
+        needs=_linear("query_key_value"),
+        interleaved=True,
     ),
     _separate("q_proj", "k_proj"),
     _separate("query", "key"),
+    _separate("q_lin", "k_lin"),
+    _separate("Wq", "Wk"),
+    _separate("project_q", "project_k"),
+    _separate("query_proj", "key_proj"),
+    _separate("q", "k"),
 ):
     _ADAPTERS.append(_adapter)
 
@@ -253,6 +316,26 @@ def _find(model: nn.Module) -> list[tuple[str, nn.Module, Adapter]]:
     return found
 
 
+def why_not(model: nn.Module) -> str:
+    """Why no adapter matched anything in model, as far as its modules tell."""
+    names = {type(m).__name__ for m in model.modules()}
+    linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    attention = sorted(n for n in names if "Attention" in n)
+    recurrent = ("Mamba", "Rwkv", "Mixer", "XLSTM", "xLSTM", "Recurrent", "Ssm", "Mlstm")
+    if any(k in n for n in names for k in recurrent) and not any("Mamba" not in n for n in attention):
+        return "it has no softmax attention (state-space or recurrent layers)"
+    if "kv_a_proj_with_mqa" in linears or "q_a_proj" in linears:
+        return (
+            "its attention is multi-head latent attention, whose W_Q and W_K are low-rank factorisations "
+            "(q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj), not per-head matrices a frame can replace"
+        )
+    if not attention:
+        return "it has no attention module"
+    mods = [m for m in model.modules() if type(m).__name__ in attention]
+    kids = sorted({n for m in mods for n, c in m.named_children() if isinstance(c, nn.Linear)})
+    return f"no adapter knows the layout of {', '.join(attention)} (linear layers: {', '.join(kids) or 'none'})"
+
+
 def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
     """Re-parameterise W_Q and W_K of every supported attention module as frames, in place; returns model.
 
@@ -271,9 +354,10 @@ def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
     if not found:
         supported = "; ".join(a.name for a in _ADAPTERS)
         raise StiefelizeError(
-            f"stiefelize found no supported attention module in {type(model).__name__}. Supported: {supported}. "
-            "Register another type with stiefel_attention.convert.register_adapter(Adapter(name, matches, "
-            "projections)), where projections(module) says which weight holds W_Q and W_K (a Projection)."
+            f"stiefelize found no supported attention module in {type(model).__name__}: {why_not(model)}. "
+            f"Supported: {supported}. Register another type with stiefel_attention.convert.register_adapter("
+            "Adapter(name, matches, projections)), where projections(module) says which weight holds W_Q and W_K "
+            "(a Projection)."
         )
     # Every module is checked before any is converted: a refusal leaves the model as it was.
     planned = [(name, module, adapter, adapter.projections(module)) for name, module, adapter in found]
@@ -282,6 +366,13 @@ def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
             if parametrize.is_parametrized(p.owner, p.name):
                 raise StiefelizeError(
                     f"{name}: {p.name} is already parametrized (stiefelize twice?); nothing was converted"
+                )
+            weight = getattr(p.owner, p.name)
+            d_model = weight.shape[1] if p.rows else weight.shape[0]
+            if p.head_dim > d_model:
+                raise StiefelizeError(
+                    f"{name}: heads of {p.head_dim} dimensions read a {d_model}-dimensional input; a frame on "
+                    f"St(d, r) needs r <= d, so W_Q, W_K cannot be frames; nothing was converted"
                 )
     report = {}
     for name, module, adapter, projections in planned:

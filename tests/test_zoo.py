@@ -1,0 +1,95 @@
+"""stiefelize across the transformers model zoo: the committed table (docs/zoo.md, made by tools/zoo.py) covers
+every model type of the installed transformers and says what the current code does with each, and every layout
+of a weight the adapters know is checked on a model that has it (heads, forward, step, unstiefelize, generate,
+save/load). The full sweep (~2 minutes) is the `zoo` test; `pytest -k zoo_representative` runs the short one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "docs" / "zoo.json"
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import zoo as module
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    transformers.logging.set_verbosity_error()
+    return module
+
+
+# one model per layout of W_Q, W_K an adapter knows, and per way a model treats q and k before its logits
+REPRESENTATIVE = {
+    "llama": "separate q_proj, k_proj; grouped-query attention; rotary",
+    "qwen3": "a norm per head on q and k",
+    "olmo2": "a norm over all heads at once on q and k",
+    "phi": "partial rotary",
+    "opt": "q scaled inside the projection step",
+    "gpt2": "fused Conv1D c_attn",
+    "gpt_bigcode": "fused nn.Linear c_attn with multi-query attention",
+    "gpt_neox": "fused query_key_value, q, k, v interleaved per head",
+    "persimmon": "interleaved per head, with a layer norm per head",
+    "mpt": "fused Wqkv",
+    "bert": "query, key",
+    "t5": "q, k, and cross-attention",
+    "vit": "vision encoder",
+    "deberta-v2": "query_proj, key_proj (disentangled attention)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(REPRESENTATIVE))
+def test_zoo_representative_layouts_convert_and_pass_every_check(zoo, model_type):
+    row = zoo.check_type(model_type)
+    assert row["status"] == "converted", row
+    assert all(v is not False for v in row["checks"].values()), row
+    assert row["checks"]["step"] and row["checks"]["unstiefelize"] and row["checks"]["forward"], row
+    if model_type not in ("mpt", "deberta-v2"):  # those two do not go through transformers' attention functions
+        assert row["checks"]["heads"] is True, row
+
+
+def test_zoo_refusals_say_why(zoo):
+    from stiefel_attention import stiefelize
+    from stiefel_attention.convert import StiefelizeError
+
+    for model_type, why in (("mamba", "no softmax attention"), ("deepseek_v2", "multi-head latent attention")):
+        config = zoo.small_config(model_type)
+        with __import__("torch").device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        with pytest.raises(StiefelizeError, match=why):
+            stiefelize(model)
+
+
+def test_the_zoo_table_lists_every_installed_model_type(zoo):
+    table = json.loads(TABLE.read_text())
+    assert table["transformers"] == transformers.__version__, (
+        f"docs/zoo.md was made with transformers {table['transformers']}, this is {transformers.__version__}: "
+        "run python tools/zoo.py"
+    )
+    assert sorted(r["type"] for r in table["rows"]) == zoo.model_types()
+    md = (ROOT / "docs" / "zoo.md").read_text()
+    assert all(f"| {r['type']} | {r['status']} |" in md for r in table["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.zoo
+def test_zoo_the_table_is_what_the_current_code_does(zoo):
+    """Every type again (~2 minutes on 2 cores): status and each check as the committed table says."""
+    table = {r["type"]: r for r in json.loads(TABLE.read_text())["rows"]}
+    changed = []
+    for model_type in zoo.model_types():
+        row = zoo.check_type(model_type)
+        if (row["status"], row["checks"]) != (table[model_type]["status"], table[model_type]["checks"]):
+            changed.append(f"{model_type}: table {table[model_type]['status']} {table[model_type]['checks']}, "
+                           f"now {row['status']} {row['checks']}")  # fmt: skip
+    assert changed == [], "docs/zoo.md is out of date (python tools/zoo.py):\n" + "\n".join(changed)

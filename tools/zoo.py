@@ -1,0 +1,427 @@
+"""Which transformers model types `stiefelize` converts, measured on tiny random configs (nothing is downloaded).
+
+    python tools/zoo.py                       # every type: writes docs/zoo.md and docs/zoo.json (several minutes)
+    python tools/zoo.py --types llama,gpt2    # a subset, printed only
+
+Every model type of the installed transformers' AutoModelForCausalLM mapping, plus the encoder, vision and
+encoder-decoder families people fine-tune (ENCODERS), is built from its default config shrunk to a few layers
+of width 64 (`small_config`) and classified:
+
+- converted: stiefelize found its attention, and on the converted model
+  forward runs; heads: each head's attention logits, as the model's own code hands q and k to its attention
+  function, equal the logits built from that head's frames (weights made orthonormal per head first, so that
+  conversion with init="nearest" keeps the function; q . k at equal positions, which rotary embeddings keep);
+  step: one StiefelAdam(param_groups(model)) step keeps every frame orthonormal to 1e-5 and changes the loss;
+  unstiefelize: the baked plain model gives the same outputs; generate: greedy generate() with the KV cache
+  gives the tokens of a step-by-step forward without it; save/load: save_pretrained, from_pretrained and
+  stiefelize(init="nearest") give the same outputs back. n/a where a check does not apply (no generate for an
+  encoder; no heads check where the model does not go through transformers' attention functions).
+- refused, with the reason: no softmax attention (state-space or recurrent layers), multi-head latent
+  attention (W_Q, W_K as low-rank factors), or a layout no adapter knows (named).
+- no small config: the shrunk config does not build offline (the error is given) or stays too large.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+ENCODERS = ("bert", "roberta", "deberta", "deberta-v2", "vit", "deit", "clip_text_model", "whisper", "t5", "bart")
+MAX_PARAMS = 5e6
+_SIZES = {  # shrunk size fields, under every name configs use for them
+    64: ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim"),
+    2: ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers"),
+    4: ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads"),
+    128: ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner"),
+}
+_ENOUGH = {"vocab_size": 128, "max_position_embeddings": 128, "n_positions": 128}
+
+
+def small_config(model_type: str):
+    """The type's default config with every size field shrunk (width 64, 2 layers, 4 heads of 16)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    for value, names in _SIZES.items():
+        for name in names:
+            if name in config.to_dict() or name in getattr(config, "attribute_map", {}):
+                try:
+                    setattr(config, name, value)
+                except (AttributeError, TypeError, ValueError):
+                    pass
+    for name, value in _ENOUGH.items():
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
+            setattr(config, name, value)
+    for name in ("num_key_value_heads", "num_kv_heads", "kv_n_heads"):
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, 2)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(getattr(config, "layer_types", None), list) and isinstance(layers, int):
+        try:
+            config.layer_types = config.layer_types[:layers]  # a per-layer list must match the layer count
+        except AttributeError:  # derived from other fields (a property without a setter)
+            pass
+    if getattr(config, "head_dim", None):
+        try:
+            config.head_dim = 16
+        except AttributeError:
+            pass
+    vocab = getattr(config, "vocab_size", None)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        if isinstance(vocab, int) and isinstance(getattr(config, name, None), int) and getattr(config, name) >= vocab:
+            setattr(config, name, 0)
+    return config
+
+
+def _build(model_type: str):
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    factory = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+    config = small_config(model_type)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in factory.from_config(config).parameters())
+    if size > MAX_PARAMS:
+        raise ValueError(f"the shrunk config still has {size / 1e6:.0f}M parameters")
+    torch.manual_seed(0)
+    model = factory.from_config(config).eval()
+    try:  # float64 where the model runs in it (tighter checks); some kernels (grouped matmuls) take float32 only
+        model.double()(**_inputs(model, config))
+    except RuntimeError:
+        model.float()
+    return model, config
+
+
+def _inputs(model, config) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    names = set(inspect.signature(model.forward).parameters)
+    if "pixel_values" in names and "input_ids" not in names:
+        size = getattr(config, "image_size", 32)
+        return {"pixel_values": torch.randn(2, 3, size, size, generator=gen, dtype=torch.float64)}
+    if "input_features" in names:  # speech encoders (whisper): a mel spectrogram
+        frames = 2 * getattr(config, "max_source_positions", 64)
+        feats = torch.randn(2, getattr(config, "num_mel_bins", 80), frames, generator=gen, dtype=torch.float64)
+        return {"input_features": feats, "decoder_input_ids": torch.randint(0, 100, (2, 6), generator=gen)}
+    ids = torch.randint(3, min(100, config.vocab_size), (2, 7), generator=gen)
+    out = {"input_ids": ids}
+    if getattr(config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = ids[:, :5]
+    return out
+
+
+def _output(out) -> torch.Tensor:
+    for name in ("logits", "last_hidden_state", "pooler_output"):
+        t = getattr(out, name, None)
+        if isinstance(t, torch.Tensor):
+            return t
+    return out[0]
+
+
+def _orthonormal_per_head(found) -> None:
+    """Every d_model output units of each projection orthonormal: every head's W_Q, W_K then is, whatever the layout."""
+    with torch.no_grad():
+        for _, _, projections in found:
+            for p in projections:
+                weight = getattr(p.owner, p.name)
+                d = weight.shape[1] if p.rows else weight.shape[0]
+                out_major = weight if p.rows else weight.T
+                for start in range(0, out_major.shape[0], d):
+                    block = out_major[start : start + d]
+                    q, _ = torch.linalg.qr(torch.randn(d, block.shape[0], dtype=weight.dtype))
+                    block.copy_(q.T)
+                bias = getattr(p.owner, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias.zero_()
+
+
+def _heads_check(model, found, inputs) -> str | None:
+    """None if every head's logits match its frames; else what differs. Raises LookupError if not applicable."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from stiefel_attention import stiefelize
+
+    seen: dict = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        seen.setdefault(module, {})["qk"] = (query.detach().clone(), key.detach().clone())
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)  # the model's own
+        attend = eager if eager is not None else ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("stiefel-zoo-capture", capture)
+    modules = [m for _, m, _ in found]
+
+    def remember_input(mod, args, kw):  # returns None: the hook must not replace the module's arguments
+        x = kw.get("hidden_states", args[0] if args else None)
+        memory = next((kw[n] for n in ("key_value_states", "encoder_hidden_states") if kw.get(n) is not None), x)
+        seen.setdefault(mod, {}).setdefault("x", x)
+        seen[mod].setdefault("x_k", memory)  # cross-attention: keys from the encoder's states
+
+    hooks = [m.register_forward_pre_hook(remember_input, with_kwargs=True) for m in modules]
+    implementation = getattr(model.config, "_attn_implementation", None)
+    try:
+        model.set_attn_implementation("stiefel-zoo-capture")
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as err:
+        raise LookupError(f"the model does not take a custom attention function ({type(err).__name__})") from None
+    finally:
+        for h in hooks:
+            h.remove()
+        if implementation is not None:  # every later check runs the model as it was built
+            model.set_attn_implementation(implementation)
+    if not all("qk" in seen.get(m, {}) for m in modules):
+        raise LookupError("the model does not go through transformers' attention functions")
+    norms = {}
+    for _, module, _ in found:
+        pairs = (("q_norm", "q"), ("k_norm", "k"), ("q_layernorm", "q"), ("k_layernorm", "k"), ("qk_norm", "q"),
+                 ("qk_norm", "k"))  # fmt: skip
+        for attr, side in pairs:
+            norm = getattr(module, attr, None)
+            if isinstance(norm, nn.Module):
+                shape = tuple(getattr(norm, "normalized_shape", None) or getattr(norm, "weight", torch.empty(0)).shape)
+                norms[(module, side)] = (norm, int(shape[-1]) if shape else -1)  # -1 or 0: no parameters, per head
+    stiefelize(model, init="nearest")
+    worst, where = 0.0, ""
+    for name, module, projections in found:
+        x, x_k, (q_model, k_model) = seen[module]["x"], seen[module]["x_k"], seen[module]["qk"]
+        frames = {}
+        for p in projections:
+            plist = getattr(p.owner.parametrizations, p.name)
+            originals = [plist.original] if hasattr(plist, "original") else [
+                getattr(plist, f"original{i}") for i in range(len(p.pieces))
+            ]  # fmt: skip
+            frames.update({kind: t.detach() for (kind, _), t in zip(p.pieces, originals) if kind != "rest"})
+        per_head = {}
+        for side in ("q", "k"):
+            t = torch.einsum("bnd,hdr->bhnr", x if side == "q" else x_k, frames[side])  # (B, H, N, r)
+            norm, width = norms.get((module, side), (None, 0))
+            if norm is not None and width in (t.shape[-1], -1, 0):  # per head (Qwen3, Persimmon; Llama 4's L2)
+                t = norm(t)
+            elif norm is not None and width == t.shape[1] * t.shape[-1]:  # over every head at once (OLMo2)
+                B, H, N, r = t.shape
+                t = norm(t.transpose(1, 2).reshape(B, N, H * r)).view(B, N, H, r).transpose(1, 2)
+            elif norm is not None:
+                raise LookupError(f"a q/k norm over {width} units, neither a head's nor all heads', is not reproduced")
+            per_head[side] = t
+        q, k = per_head["q"], per_head["k"]
+        if q_model.shape[1] != q.shape[1] or k_model.shape[1] != k.shape[1]:
+            return f"{name}: the model has {q_model.shape[1]}/{k_model.shape[1]} q/k heads, the frames {q.shape[1]}"
+        rep, n = q.shape[1] // k.shape[1], min(q.shape[2], k.shape[2])
+        diag = lambda a, b: (a[:, :, :n] * b.repeat_interleave(rep, dim=1)[:, :, :n]).sum(-1)  # noqa: E731 - q_i.k_i
+        got, want = diag(q_model, k_model), diag(q, k)
+        # a model may scale q (or k) by a constant inside its projection step (OPT, BART: q * head_dim^-0.5):
+        # one positive scalar per module is allowed, a different head layout is not
+        scale = float((got * want).sum() / (want * want).sum().clamp_min(1e-300))
+        gap = float((got - scale * want).abs().max()) / max(float(got.abs().max()), 1e-30)
+        if scale <= 0:
+            gap = math.inf
+        if gap > worst:
+            worst, where = gap, name
+    tol = 1e-5 if x.dtype == torch.float64 else 1e-3
+    return None if worst < tol else f"{where}: head logits differ from the frames' by {worst:.1e} (relative)"
+
+
+def check_type(model_type: str) -> dict:
+    """The row of one model type: status, reason, and each check (True, False, or None for n/a) with notes."""
+    from stiefel_attention import StiefelAdam, frames, isometry_error, param_groups, stiefelize, unstiefelize
+    from stiefel_attention.convert import StiefelizeError, _find, why_not
+
+    row: dict = {"type": model_type, "status": None, "reason": "", "checks": {}, "notes": {}}
+    try:
+        model, config = _build(model_type)
+        inputs = _inputs(model, config)
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as err:
+        row.update(status="no small config", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        return row
+    row["class"] = type(model).__name__
+    matched = _find(model)
+    found = [(n, m, a.projections(m)) for n, m, a in matched]
+    row["adapters"] = sorted({a.name for _, _, a in matched})
+    if not found:
+        row.update(status="refused", reason=why_not(model))
+        return row
+    checks, notes = row["checks"], row["notes"]
+    try:
+        _orthonormal_per_head(found)
+        with torch.no_grad():
+            before = _output(model(**inputs)).clone()
+            deterministic = torch.equal(_output(model(**inputs)), before)
+        try:
+            problem = _heads_check(model, found, inputs)
+            checks["heads"] = problem is None
+            if problem:
+                notes["heads"] = problem
+        except LookupError as why:
+            checks["heads"], notes["heads"] = None, str(why)
+            if not frames(model):
+                stiefelize(model, init="nearest")
+        with torch.no_grad():
+            after = _output(model(**inputs))
+        tight = dict(atol=1e-7, rtol=1e-6) if after.dtype == torch.float64 else dict(atol=1e-5, rtol=1e-4)
+        checks["forward"] = bool(torch.isfinite(after).all()) and torch.allclose(after, before, **tight)
+        if not deterministic:  # e.g. random attention blocks: two forwards differ before any conversion
+            checks["forward"], notes["forward"] = None, "the model's forward is not deterministic"
+        baked = unstiefelize(copy.deepcopy(model))
+        with torch.no_grad():
+            checks["unstiefelize"] = torch.allclose(_output(baked(**inputs)), after, **tight)
+        try:
+            checks["save/load"] = _save_load(baked, inputs, after) if deterministic else None
+        except Exception as err:  # the tiny config itself may not survive from_pretrained's validation
+            checks["save/load"], notes["save/load"] = None, f"the tiny config does not reload ({type(err).__name__})"
+        checks["generate"] = _generate(model, inputs)
+        if checks["generate"] is False and _generate(baked, inputs) is False:  # not ours: the model's own quirk
+            checks["generate"], notes["generate"] = None, "cached and uncached greedy differ without stiefelize too"
+        checks["step"] = _step(model, inputs, StiefelAdam, param_groups, frames, isometry_error)
+    except StiefelizeError as err:
+        row.update(status="refused", reason=str(err).splitlines()[0])
+        return row
+    except Exception as err:
+        notes["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        checks.setdefault("error", False)
+    row["status"] = "converted" if all(v is not False for v in checks.values()) else "converted, a check fails"
+    return row
+
+
+def _save_load(baked, inputs, want) -> bool:
+    from stiefel_attention import stiefelize
+
+    with tempfile.TemporaryDirectory() as d:
+        baked.save_pretrained(d)
+        loaded = stiefelize(type(baked).from_pretrained(d, dtype=want.dtype).eval(), init="nearest")
+    tol = dict(atol=1e-6, rtol=1e-5) if want.dtype == torch.float64 else dict(atol=1e-4, rtol=1e-3)
+    with torch.no_grad():
+        return torch.allclose(_output(loaded(**inputs)), want, **tol)
+
+
+def _generate(model, inputs) -> bool | None:
+    if "input_ids" not in inputs or getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
+        return None
+    ids = inputs["input_ids"][:1]
+    with torch.no_grad():
+        cached = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                use_cache=True, pad_token_id=0)  # fmt: skip
+        seq = ids
+        for _ in range(6):
+            nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    return torch.equal(cached[:, : seq.shape[1]], seq)
+
+
+def _step(model, inputs, StiefelAdam, param_groups, frames, isometry_error) -> bool:
+    model.train()
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1, frame_lr=0.05), lr=1e-2, max_step=0.1)
+    loss = _output(model(**inputs)).double().square().mean()
+    loss.backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        again = _output(model(**inputs)).double().square().mean()
+    iso = max(float(isometry_error(p)) for _, p in frames(model))
+    return iso < 1e-5 and float(again) != float(loss)
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(ENCODERS))
+
+
+_KINDS = (
+    ("no softmax attention", "no softmax attention (state-space or recurrent layers)"),
+    ("latent attention", "multi-head latent attention (W_Q, W_K low-rank)"),
+    ("r <= d", "heads wider than the model (r > d: no frame)"),
+    ("interleaved projection", "q, k, v interleaved per head with fewer key heads than query heads"),
+    ("no adapter knows", "a layout no adapter knows"),
+    ("no attention module", "no attention module"),
+)
+
+
+def _reason_kind(reason: str) -> str:
+    return next((kind for key, kind in _KINDS if key in reason), "other")
+
+
+def markdown(rows: list[dict], version: str) -> str:
+    counts = Counter(r["status"] for r in rows)
+    reasons = Counter(_reason_kind(r["reason"]) for r in rows if r["status"] == "refused")
+    order = ("converted", "converted, a check fails", "refused", "no small config")
+    lines = [
+        "# stiefelize across the transformers model zoo",
+        "",
+        f"Generated by `python tools/zoo.py` with transformers {version}: every model type of "
+        "`AutoModelForCausalLM`'s mapping and the encoder, vision and encoder-decoder families "
+        f"{', '.join(ENCODERS)}, each built from its default config shrunk to width 64, 2 layers, 4 heads "
+        "(nothing downloaded). What each check means is in the script's docstring; n/a where it does not apply.",
+        "",
+        "Counts: " + ", ".join(f"{s} {counts[s]}" for s in order if counts[s]) + f" (of {len(rows)}). "
+        "Refused by reason: " + "; ".join(f"{why} {n}" for why, n in reasons.most_common()) + ".",
+        "",
+        "| type | status | heads | forward | step | unstiefelize | generate | save/load | adapter, reason or notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    mark = {True: "yes", False: "**no**", None: "n/a"}
+    for r in sorted(rows, key=lambda r: (order.index(r["status"]), r["type"])):
+        c = r["checks"]
+        cells = [
+            mark[c[k]] if k in c else "" for k in ("heads", "forward", "step", "unstiefelize", "generate", "save/load")
+        ]
+        parts = [*r.get("adapters", []), r["reason"], *(f"{k}: {v}" for k, v in r["notes"].items())]
+        notes = "; ".join(p for p in parts if p)
+        lines.append(f"| {r['type']} | {r['status']} | " + " | ".join(cells) + f" | {notes.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=None, help="comma-separated model types (default: all); printed only")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "zoo.md"), help="the table (full runs only)")
+    ap.add_argument("--render", action="store_true", help="rewrite the table from its JSON, running nothing")
+    args = ap.parse_args(argv)
+    if args.render:
+        table = json.loads(Path(args.out).with_suffix(".json").read_text())
+        Path(args.out).write_text(markdown(table["rows"], table["transformers"]))
+        return 0
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    types = args.types.split(",") if args.types else model_types()
+    rows = []
+    for t in types:
+        t0 = time.perf_counter()
+        try:
+            row = check_type(t)
+        except Exception as err:  # a crash in the tool itself is a row too, never a lost sweep
+            row = {"type": t, "status": "no small config", "reason": f"{type(err).__name__}: {err}"[:160],
+                   "checks": {}, "notes": {"trace": traceback.format_exc(limit=1)[-200:]}}  # fmt: skip
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(f"{t}: {row['status']} {row['checks']} {row['reason']} {row['notes']}", file=sys.stderr, flush=True)
+    if args.types:
+        return 0
+    Path(args.out).write_text(markdown(rows, transformers.__version__))
+    table = {"transformers": transformers.__version__, "rows": rows}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(table, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
