@@ -428,6 +428,9 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
     assert "reproduces the frames' grokking with adamw+clip2" in text and "the smallest scale that does is 16" in text
     assert "a - b: 0/5 grok" in text
     assert summary["mechanism_verdict"].startswith("the attention-logit scale is causal in both directions")
+    one = interventions_summary([r for r in recs if r["config"]["seed"] == 0], EPOCHS_TO_GROK, FINAL_VAL_ACC)
+    assert one["ops"]["+"]["variants"]["adamw+clip2"]["verdict"].startswith("not yet testable")  # 1 seed: no test
+    assert one["mechanism_verdict"] == "not yet measured in both directions"
 
 
 def test_the_no_decay_claim_row_reads_the_controls_comparison():

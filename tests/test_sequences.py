@@ -363,4 +363,6 @@ def test_stability_summary_computes_wortsmans_sensitivity_the_precondition_and_a
     assert pre["met"] and pre["logit_growth"] == pytest.approx(5.0) and "3 of its runs diverged" in pre["text"]
     assert summary["verdict"].startswith("yes: stiefel-adam is significantly less sensitive")
     md = "\n".join(stability_markdown(summary))
+    one = stability_summary([r for r in recs if r["config"]["seed"] == 0])
+    assert one["verdict"].startswith("not yet testable")  # one seed: a sensitivity without a spread
     assert "4.000 (3 diverged)" in md and "Precondition (met)" in md

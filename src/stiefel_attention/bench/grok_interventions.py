@@ -70,7 +70,7 @@ def _standing(c: dict | None) -> int | None:
 
     On epochs to 95% (fewer is better), unless every run of both is censored there (all equal to the budget + 1):
     then on final validation accuracy (higher is better), the measure that still tells such runs apart."""
-    if c is None:
+    if c is None or c["n_seeds"] < 2:  # one pair has no spread: nothing to test yet
         return None
     st, sign = (c["final_val_acc"], 1) if c["all_censored"] else (c, -1)
     return sign * (1 if st["mean_diff"] > 0 else -1) if significant(st) else 0
@@ -84,7 +84,7 @@ def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
     """Does bounding AdamW's logits reproduce the frames' grokking?"""
     a, s = _standing(vs_adamw), _standing(vs_stiefel)
     if a is None or s is None:
-        return "not measured"
+        return "not yet testable (fewer than 2 paired seeds)"
     if a <= 0:
         return f"does not help AdamW (no significant gain over adamw{_on(vs_adamw)})"
     if s == 0:
@@ -98,7 +98,7 @@ def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
     """Does raising (or removing) the frames' logit scale take their advantage away?"""
     s, a = _standing(vs_stiefel), _standing(vs_adamw)
     if s is None or a is None:
-        return "not measured"
+        return "not yet testable (fewer than 2 paired seeds)"
     if s >= 0:
         return f"does not hurt the frames (no significant loss against stiefel-adam{_on(vs_stiefel)})"
     if a == 0:
@@ -174,7 +174,7 @@ def _mechanism_verdict(variants: dict) -> str:
         for v in variants.values()
         if v["arm"] == "stiefel-adam" and v["intervention"].get("logit_scale", 0) > 0
     ]
-    if not bounds or not raises or any(v == "not measured" for v in bounds + raises):
+    if not bounds or not raises or any(v.startswith("not yet") for v in bounds + raises):
         return "not yet measured in both directions"
     helps = any(v.startswith(("reproduces", "helps", "better")) for v in bounds)
     hurts = any(v.startswith(("removes", "hurts", "makes")) for v in raises)

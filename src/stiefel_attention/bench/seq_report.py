@@ -233,6 +233,8 @@ def _stability_verdict(sens_vs: list[dict], sensitivity: dict) -> str:
     st = by.get("stiefel-adam")
     if st is None:
         return "not measured"
+    if st["n_seeds"] < 2:
+        return "not yet testable (fewer than 2 paired seeds with the whole sweep)"
     lo, hi = st["ci95"]
     if not (hi < 0):
         return (
