@@ -348,7 +348,8 @@ def mechanism_scatter(points: list[dict], out_dir: Path, made: list[str], name: 
         )
     budget = max(p["budget"] for p in points)
     ax.axhline(budget, color="gray", lw=0.8, ls=":")
-    ax.text(ax.get_xlim()[0], budget, " budget: open markers never reached 95%", va="bottom", fontsize=7)
+    ax.text(0.01, budget, "budget: open markers never reached 95%", va="bottom", fontsize=7,
+            transform=ax.get_yaxis_transform())  # fmt: skip
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlim(left=0.0)
     ax.set_xlabel("largest attention logit at the end of training ('=' query, mean over layers)")
