@@ -169,8 +169,10 @@ def _heads_check(model, found, inputs) -> str | None:
     def remember_input(mod, args, kw):  # returns None: the hook must not replace the module's arguments
         x = kw.get("hidden_states", args[0] if args else None)
         memory = next((kw[n] for n in ("key_value_states", "encoder_hidden_states") if kw.get(n) is not None), x)
-        seen.setdefault(mod, {}).setdefault("x", x)
-        seen[mod].setdefault("x_k", memory)  # cross-attention: keys from the encoder's states
+        # every call overwrites: a module a model calls several times per forward (Dory loops its layers) is
+        # compared on its last call, whose q and k the capture keeps
+        seen.setdefault(mod, {})["x"] = x
+        seen[mod]["x_k"] = memory  # cross-attention: keys from the encoder's states
 
     hooks = [m.register_forward_pre_hook(remember_input, with_kwargs=True) for m in modules]
     implementation = getattr(model.config, "_attn_implementation", None)
