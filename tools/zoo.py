@@ -42,12 +42,15 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 ENCODERS = ("bert", "roberta", "deberta", "deberta-v2", "vit", "deit", "clip_text_model", "whisper", "t5", "bart")
 MAX_PARAMS = 5e6
-_SIZES = {  # shrunk size fields, under every name configs use for them
-    64: ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim"),
-    2: ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers"),
-    4: ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads"),
-    128: ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner"),
-}
+_SIZES = (  # (shrunk value, every name configs use for that size)
+    (64, ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim")),
+    (2, ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers")),
+    (4, ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads")),
+    (128, ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner")),
+    (32, ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size")),
+    (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
+)
+_AT_MOST = {"num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1}
 _ENOUGH = {"vocab_size": 128, "max_position_embeddings": 128, "n_positions": 128}
 
 
@@ -56,13 +59,16 @@ def small_config(model_type: str):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    for value, names in _SIZES.items():
+    for value, names in _SIZES:
         for name in names:
             if name in config.to_dict() or name in getattr(config, "attribute_map", {}):
                 try:
                     setattr(config, name, value)
                 except (AttributeError, TypeError, ValueError):
                     pass
+    for name, value in _AT_MOST.items():
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
+            setattr(config, name, value)
     for name, value in _ENOUGH.items():
         if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
             setattr(config, name, value)
