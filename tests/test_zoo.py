@@ -38,6 +38,7 @@ REPRESENTATIVE = {
     "gpt2": "fused Conv1D c_attn",
     "gpt_bigcode": "fused nn.Linear c_attn with multi-query attention",
     "gpt_neox": "fused query_key_value, q, k, v interleaved per head",
+    "falcon": "fused query_key_value of multi-query attention",
     "persimmon": "interleaved per head, with a layer norm per head",
     "mpt": "fused Wqkv",
     "bert": "query, key",
@@ -56,6 +57,15 @@ def test_zoo_representative_layouts_convert_and_pass_every_check(zoo, model_type
     assert row["checks"]["step"] and row["checks"]["unstiefelize"] and row["checks"]["forward"], row
     if model_type not in ("mpt", "deberta-v2"):  # those two do not go through transformers' attention functions
         assert row["checks"]["heads"] is True, row
+
+
+@pytest.mark.slow
+def test_zoo_falcon_grouped_per_key_value_head(zoo):
+    """Falcon-40B's layout of the fused weight (the default config's multi-query one is in the sweep): each
+    key-value group's query heads, its key, its value; every head checked against the model's own attention."""
+    row = zoo.check_type("falcon", new_decoder_architecture=True, num_kv_heads=2)
+    assert row["status"] == "converted" and all(v is not False for v in row["checks"].values()), row
+    assert row["checks"]["heads"] is True, row
 
 
 def test_zoo_refusals_say_why(zoo):

@@ -93,12 +93,14 @@ def small_config(model_type: str):
     return config
 
 
-def _build(model_type: str):
+def _build(model_type: str, **overrides):
     from transformers import AutoModel, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     factory = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
     config = small_config(model_type)
+    for name, value in overrides.items():  # a variant of the type's default config (tests)
+        setattr(config, name, value)
     with torch.device("meta"):
         size = sum(p.numel() for p in factory.from_config(config).parameters())
     if size > MAX_PARAMS:
@@ -245,14 +247,14 @@ def _heads_check(model, found, inputs) -> str | None:
     return None if worst < tol else f"{where}: head logits differ from the frames' by {worst:.1e} (relative)"
 
 
-def check_type(model_type: str) -> dict:
+def check_type(model_type: str, **overrides) -> dict:
     """The row of one model type: status, reason, and each check (True, False, or None for n/a) with notes."""
     from stiefel_attention import StiefelAdam, frames, isometry_error, param_groups, stiefelize, unstiefelize
     from stiefel_attention.convert import StiefelizeError, _find, why_not
 
     row: dict = {"type": model_type, "status": None, "reason": "", "checks": {}, "notes": {}}
     try:
-        model, config = _build(model_type)
+        model, config = _build(model_type, **overrides)
         inputs = _inputs(model, config)
         with torch.no_grad():
             model(**inputs)
@@ -356,7 +358,7 @@ _KINDS = (
     ("no softmax attention", "no softmax attention (state-space or recurrent layers)"),
     ("latent attention", "multi-head latent attention (W_Q, W_K low-rank)"),
     ("r <= d", "heads wider than the model (r > d: no frame)"),
-    ("interleaved projection", "q, k, v interleaved per head with fewer key heads than query heads"),
+    ("interleaved projection", "a query_key_value whose query heads do not group whole per key head"),
     ("no adapter knows", "a layout no adapter knows"),
     ("no attention module", "no attention module"),
 )

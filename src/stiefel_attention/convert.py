@@ -11,12 +11,12 @@ Supported out of the box, one small adapter per layout of the weights rather tha
 nn.Linear projections named q_proj/k_proj (Llama, Qwen, Mistral, Gemma, OPT, Phi and their kin; grouped- and
 multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeBERTa), q/k (T5), q_lin/k_lin,
 Wq/Wk, project_q/project_k; fused q | k | v weights: GPT-2's Conv1D c_attn, nn.Linear c_attn (nanoGPT,
-GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v interleaved per head in query_key_value
-(GPT-NeoX, Bloom, Persimmon); torch's `nn.MultiheadAttention` (packed `in_proj_weight`; also inside
-`nn.TransformerEncoderLayer`). The heads are read from the module (num_heads, num_attention_heads, n_heads,
-n_head, or its config) and the key heads from the key weight itself. `docs/zoo.md` (tools/zoo.py) lists every
-transformers model type with what happens to it. Register another layout with `register_adapter`; a model
-with no adapter is refused with the reason (`why_not`).
+GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v grouped per key-value head in
+query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon); torch's `nn.MultiheadAttention` (packed
+`in_proj_weight`; also inside `nn.TransformerEncoderLayer`). The heads are read from the module (num_heads,
+num_attention_heads, n_heads, n_head, or its config) and the key heads from the key weight itself.
+`docs/zoo.md` (tools/zoo.py) lists every transformers model type with what happens to it. Register another
+layout with `register_adapter`; a model with no adapter is refused with the reason (`why_not`).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ class Projection:
     owner.<name> is the weight; `rows`: an nn.Linear weight (out, in), used as x W^T; otherwise a
     Conv1D weight (in, out), used as x W. `pieces` lists the blocks along the output dimension in
     order: ("q", n_heads) and ("k", n_kv_heads) are frames of head_dim columns each, ("rest", size)
-    is left as it is (the V part of a fused projection). `interleaved`: the pieces repeat head by head
-    instead (GPT-NeoX's and Bloom's fused query_key_value: head h's q, k and v units side by side), each
-    piece holding an equal share per head; it needs as many key heads as query heads, and rows.
+    is left as it is (the V part of a fused projection). `interleaved`: the pieces repeat key-value head by
+    key-value head instead, each group holding its query heads, its key head and its share of the rest
+    (Falcon's fused query_key_value; with a key head per query head, q, k and v of each head side by side:
+    GPT-NeoX, Bloom, Persimmon; with one, the plain q | k | v of multi-query attention); needs rows.
     """
 
     owner: nn.Module
@@ -100,8 +101,11 @@ class StiefelProjection(FrameParametrization):
         super().__init__()
         self.rows, self.pieces, self.head_dim, self.d_model, self.init = p.rows, p.pieces, p.head_dim, d_model, init
         self.interleaved = p.interleaved
-        if p.interleaved and (not p.rows or len({n for kind, n in p.pieces if kind != "rest"}) != 1):
-            raise StiefelizeError("an interleaved projection needs an nn.Linear weight and as many k heads as q heads")
+        heads = dict((kind, n) for kind, n in p.pieces if kind != "rest")
+        if p.interleaved and (not p.rows or heads.get("k", 0) < 1 or heads.get("q", 0) % heads.get("k", 1)):
+            raise StiefelizeError(
+                "an interleaved projection needs an nn.Linear weight and query heads in whole groups per key head"
+            )
         self.frame_originals = tuple(i for i, (kind, _) in enumerate(p.pieces) if kind != "rest")
         # The weight is assembled in the dtype the module computes in (half precision models keep float32 frames
         # as master weights); a buffer, so that model.to(dtype) / .half() / .float() move it with the model.
@@ -115,16 +119,20 @@ class StiefelProjection(FrameParametrization):
         widths = [self._width(kind, n) for kind, n in self.pieces]
         if not self.interleaved:
             return list(weight.split(widths, dim=0 if self.rows else 1))
-        heads = self.pieces[0][1]
-        shares = [w // heads for w in widths]  # each piece's units per head
-        per_head = weight.reshape(heads, sum(shares), self.d_model).split(shares, dim=1)
-        return [b.reshape(heads * share, self.d_model) for b, share in zip(per_head, shares)]
+        groups = self._groups()
+        shares = [w // groups for w in widths]  # each piece's units per key-value group
+        per_group = weight.reshape(groups, sum(shares), self.d_model).split(shares, dim=1)
+        return [b.reshape(groups * share, self.d_model) for b, share in zip(per_group, shares)]
 
     def _join(self, blocks: list[Tensor]) -> Tensor:
         if not self.interleaved:
             return torch.cat(blocks, dim=0 if self.rows else 1)
-        heads = self.pieces[0][1]
-        return torch.cat([b.reshape(heads, -1, self.d_model) for b in blocks], dim=1).reshape(-1, self.d_model)
+        groups = self._groups()
+        return torch.cat([b.reshape(groups, -1, self.d_model) for b in blocks], dim=1).reshape(-1, self.d_model)
+
+    def _groups(self) -> int:
+        """Key-value heads: the groups an interleaved weight repeats (query heads h * g .. h * g + g - 1 share one)."""
+        return next(n for kind, n in self.pieces if kind == "k")
 
     def forward(self, *originals: Tensor) -> Tensor:
         blocks = []
@@ -228,12 +236,17 @@ def _fused(
         return hasattr(m, attr) and isinstance(getattr(m, attr), nn.Module) and needs(m)
 
     def projections(m: nn.Module) -> list[Projection]:
-        H, Hkv, r = _heads(m)
+        H, _, r = _heads(m)
         fused = getattr(m, attr)
-        D = fused.weight.shape[1 if rows else 0]
+        D, out = fused.weight.shape[1 if rows else 0], fused.weight.shape[0 if rows else 1]
         r = r or D // H
-        rest = fused.weight.shape[0 if rows else 1] - (H + Hkv) * r
-        return [Projection(fused, "weight", rows, (("q", H), ("k", Hkv), ("rest", rest)), r, interleaved)]
+        Hkv = (out // r - H) // 2  # q, then k and v with as many heads each: from the weight, whatever the config
+        if Hkv < 1 or out != (H + 2 * Hkv) * r:
+            raise StiefelizeError(
+                f"{type(m).__name__}: {attr} has {out} outputs, not {H} query heads of {r} and as many key as value "
+                "heads"
+            )
+        return [Projection(fused, "weight", rows, (("q", H), ("k", Hkv), ("rest", Hkv * r)), r, interleaved)]
 
     return Adapter(label, matches, projections)
 
@@ -283,7 +296,7 @@ for _adapter in (
     _fused(
         "query_key_value",
         rows=True,
-        label="fused nn.Linear query_key_value, q, k, v interleaved per head (GPT-NeoX, Bloom, Persimmon)",
+        label="fused nn.Linear query_key_value, grouped per key-value head (GPT-NeoX, Bloom, Persimmon, Falcon)",
         needs=_linear("query_key_value"),
         interleaved=True,
     ),
