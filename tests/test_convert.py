@@ -572,3 +572,127 @@ def test_the_timm_adapter_matches_the_timm_style_stand_in():
     assert [a.name for _, _, a in convert_module._find(model)] == [
         "fused nn.Linear qkv, q | k | v (timm Attention)"
     ] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions that keep the function: init="svd" and temperature=True
+# ---------------------------------------------------------------------------------------------
+
+
+def _pretrained_like_nanogpt(seed: int = 0) -> nn.Module:
+    """nanoGPT attention with weights of uneven scale per head and direction, as trained weights have."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(CausalSelfAttention(), CausalSelfAttention()).double()
+    with torch.no_grad():
+        for m in model:
+            m.c_attn.weight.mul_(torch.logspace(-1, 0.5, 32, dtype=torch.float64).view(1, -1))  # skewed inputs
+            m.c_attn.weight[:64].mul_(0.1)  # small, as trained weights of Hugging Face models start
+            m.c_attn.weight[:32].mul_(3.0)  # larger queries than keys
+    return model
+
+
+def _bilinear_forms(module: CausalSelfAttention) -> torch.Tensor:
+    """W_Q,h W_K,h^T per head, (H, D, D), from the weight the module computes with."""
+    w = module.c_attn.weight.detach()  # (3D, D): x W^T; rows h*r .. h*r+r-1 are head h's
+    wq, wk = (w[i * 32 : (i + 1) * 32].reshape(4, 8, 32).transpose(1, 2) for i in (0, 1))
+    return wq @ wk.transpose(1, 2)
+
+
+def _relative_error(model, reference) -> float:
+    num = sum(float((_bilinear_forms(a) - _bilinear_forms(b)).square().sum()) for a, b in zip(model, reference))
+    return (num / sum(float(_bilinear_forms(b).square().sum()) for b in reference)) ** 0.5
+
+
+def test_temperature_starts_at_the_scalar_closest_to_each_heads_bilinear_form():
+    ref = _pretrained_like_nanogpt()
+    model = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True)
+    for m, r in zip(model, ref):
+        got = _bilinear_forms(m)
+        frames_only = got / got.flatten(1).norm(dim=1).view(-1, 1, 1) * math.sqrt(8)  # ||Q K^T||_F = sqrt(r)
+        want = (frames_only * _bilinear_forms(r)).sum((1, 2)) / 8  # least squares: <M, Q K^T> / ||Q K^T||^2
+        torch.testing.assert_close(got.flatten(1).norm(dim=1) / math.sqrt(8), want)
+    plain = stiefelize(copy.deepcopy(ref), init="nearest")
+    assert _relative_error(model, ref) < 0.5 * _relative_error(plain, ref)  # the scale is most of what nearest loses
+    x = torch.randn(2, 7, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref(x), model(x), plain(x)
+    gap = [float((a.last_logits - b.last_logits).norm() / b.last_logits.norm()) for a, b in zip(model, ref)]
+    gap_plain = [float((a.last_logits - b.last_logits).norm() / b.last_logits.norm()) for a, b in zip(plain, ref)]
+    assert max(gap) < min(gap_plain), (gap, gap_plain)  # the module's own logits, not only our formula
+
+
+def test_svd_init_is_the_best_scaled_frame_pair_for_each_heads_bilinear_form():
+    ref = _pretrained_like_nanogpt()
+    model = stiefelize(copy.deepcopy(ref), init="svd", temperature=True)
+    assert max(isometry_error(p) for _, p in frames(model)) < 1e-12
+    for m, r in zip(model, ref):
+        s = torch.linalg.svdvals(_bilinear_forms(r))[:, :8]  # top r singular values of each head's D x D form
+        best = _bilinear_forms(r).square().sum((1, 2)) - s.sum(1).square() / 8  # min over s, Q, K of ||M - sQK^T||^2
+        torch.testing.assert_close((_bilinear_forms(m) - _bilinear_forms(r)).square().sum((1, 2)), best)
+    nearest = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True)
+    assert _relative_error(model, ref) < _relative_error(nearest, ref)
+
+
+def test_temperature_is_trained_undecayed_and_survives_a_round_trip():
+    ref = _pretrained_like_nanogpt()
+    model = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True)
+    temps = [p for n, p in model.named_parameters() if n.endswith("weight.original3")]  # after q, k, rest
+    assert len(temps) == 2 and all(t.shape == (4,) for t in temps)
+    groups = param_groups(model, weight_decay=0.1)
+    assert all(any(t is p for p in g["params"]) for t in temps for g in groups if g.get("weight_decay") == 0.0)
+    assert not any(t is p for t in temps for g in groups if g.get("stiefel") for p in g["params"])
+    before = [t.detach().clone() for t in temps]
+    opt = StiefelAdam(groups, lr=1e-2)
+    model(torch.randn(2, 7, 32, dtype=torch.float64)).square().mean().backward()
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, temps))
+    assert max(isometry_error(p) for _, p in frames(model)) < 1e-12
+    again = stiefelize(unstiefelize(copy.deepcopy(model)), init="nearest", temperature=True)
+    torch.testing.assert_close(_relative_error(again, model), 0.0, atol=1e-12, rtol=0)
+
+
+@needs_transformers
+def test_temperature_uses_each_query_heads_own_key_head_under_grouped_query_attention():
+    torch.manual_seed(0)
+    ref = T.LlamaForCausalLM(T.LlamaConfig(num_key_value_heads=2, **SMALL)).double()
+    model = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True)
+    a, b = model.model.layers[0].self_attn, ref.model.layers[0].self_attn
+    wq, wk = (p.weight.detach().view(-1, 8, 32).transpose(1, 2) for p in (b.q_proj, b.k_proj))  # (H, D, r)
+    q, k = (p.weight.detach().view(-1, 8, 32).transpose(1, 2) for p in (a.q_proj, a.k_proj))
+    k, wk = k.repeat_interleave(2, dim=0), wk.repeat_interleave(2, dim=0)  # query heads 0, 1 read key head 0
+    scale = q.flatten(1).norm(dim=1) / math.sqrt(8)
+    frame_q = q / scale.view(-1, 1, 1)
+    want = ((wq @ wk.transpose(1, 2)) * (frame_q @ k.transpose(1, 2))).sum((1, 2)) / 8
+    torch.testing.assert_close(scale, want)
+    with pytest.raises(StiefelizeError, match="one key head per query head.*4 query heads share 2"):
+        stiefelize(copy.deepcopy(ref), init="svd")
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in ref.modules())
+
+
+def test_svd_and_temperature_refusals():
+    with pytest.raises(ValueError, match="temperature=True starts each head's scale"):
+        stiefelize(nn.Sequential(CausalSelfAttention()), init="orthonormal", temperature=True)
+
+    class TwoQuery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    register_adapter(
+        Adapter(
+            "two query weights",
+            lambda m: isinstance(m, TwoQuery),
+            lambda m: [
+                Projection(m.a, "weight", True, (("q", 2),), 8),
+                Projection(m.b, "weight", True, (("q", 2),), 8),
+                Projection(m.c, "weight", True, (("k", 2),), 8),
+            ],
+        )
+    )
+    try:
+        model = TwoQuery()
+        with pytest.raises(StiefelizeError, match="2 query and 1 key blocks"):
+            stiefelize(model, init="nearest", temperature=True)
+        assert not torch.nn.utils.parametrize.is_parametrized(model.a)
+        stiefelize(model, init="nearest")  # without pairing it converts
+    finally:
+        convert_module._ADAPTERS.pop(0)

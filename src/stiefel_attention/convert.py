@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("stiefel_attention")
-INITS = ("orthonormal", "nearest")
+INITS = ("orthonormal", "nearest", "svd")
 
 
 class StiefelizeError(ValueError):
@@ -97,9 +97,14 @@ def adapters() -> list[Adapter]:
 class StiefelProjection(FrameParametrization):
     """Assembles a projection weight from per-head frames (and, for fused weights, the untouched rest)."""
 
-    def __init__(self, p: Projection, d_model: int, init: str, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, p: Projection, d_model: int, init: str, dtype: torch.dtype = torch.float32, temperature: bool = False
+    ):
         super().__init__()
         self.rows, self.pieces, self.head_dim, self.d_model, self.init = p.rows, p.pieces, p.head_dim, d_model, init
+        # temperature: one more original after the pieces', a log-temperature per query head (query heads scaled
+        # by its exp); right_inverse sets it to 0 and stiefelize to the scale-preserving value
+        self.n_query = sum(n for kind, n in p.pieces if kind == "q") if temperature else 0
         self.interleaved = p.interleaved
         heads = dict((kind, n) for kind, n in p.pieces if kind != "rest")
         if p.interleaved and (not p.rows or heads.get("k", 0) < 1 or heads.get("q", 0) % heads.get("k", 1)):
@@ -134,9 +139,24 @@ class StiefelProjection(FrameParametrization):
         """Key-value heads: the groups an interleaved weight repeats (query heads h * g .. h * g + g - 1 share one)."""
         return next(n for kind, n in self.pieces if kind == "k")
 
+    def heads(self, weight: Tensor) -> dict[str, Tensor]:
+        """Each frame piece's heads in a weight of this layout, {"q": (H, D, r), "k": (Hkv, D, r)}."""
+        out = {}
+        for (kind, n), block in zip(self.pieces, self._split(weight)):
+            if kind != "rest":
+                out[kind] = (
+                    block.reshape(n, self.head_dim, self.d_model).transpose(1, 2)
+                    if self.rows
+                    else block.reshape(self.d_model, n, self.head_dim).permute(1, 0, 2)
+                )
+        return out
+
     def forward(self, *originals: Tensor) -> Tensor:
         blocks = []
+        log_temperature = originals[len(self.pieces)] if self.n_query else None
         for (kind, n), t in zip(self.pieces, originals):
+            if kind == "q" and log_temperature is not None:
+                t = t * log_temperature.exp().to(t.dtype).view(-1, 1, 1)
             if kind == "rest":
                 blocks.append(t)
             elif self.rows:  # (n, D, r) -> (n*r, D): row h*r + j is column j of head h's frame
@@ -158,20 +178,19 @@ class StiefelProjection(FrameParametrization):
 
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, ...]:
         out = []
+        by_kind = self.heads(weight)
         for (kind, n), block in zip(self.pieces, self._split(weight)):
             if kind == "rest":
                 out.append(block.detach().clone())
                 continue
-            heads = (
-                block.reshape(n, self.head_dim, self.d_model).transpose(1, 2)
-                if self.rows
-                else block.reshape(self.d_model, n, self.head_dim).permute(1, 0, 2)
-            )  # (n, D, r)
-            heads = heads.detach().to(torch.float32 if heads.dtype in (torch.float16, torch.bfloat16) else heads.dtype)
-            if self.init == "nearest":
+            heads = by_kind[kind].detach()  # (n, D, r)
+            heads = heads.to(torch.float32 if heads.dtype in (torch.float16, torch.bfloat16) else heads.dtype)
+            if self.init in ("nearest", "svd"):  # svd: stiefelize replaces these frames once it has both weights
                 out.append(polar_retract(heads, torch.zeros_like(heads)).contiguous())
             else:
                 out.append(random_frame(n, d=self.d_model, r=self.head_dim, dtype=heads.dtype, device=heads.device))
+        if self.n_query:
+            out.append(torch.zeros(self.n_query, dtype=out[0].dtype, device=out[0].device))
         return tuple(out)
 
 
@@ -349,7 +368,7 @@ def why_not(model: nn.Module) -> str:
     return f"no adapter knows the layout of {', '.join(attention)} (linear layers: {', '.join(kids) or 'none'})"
 
 
-def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
+def stiefelize(model: nn.Module, init: str = "orthonormal", *, temperature: bool = False) -> nn.Module:
     """Re-parameterise W_Q and W_K of every supported attention module as frames, in place; returns model.
 
     init="orthonormal" draws fresh Haar-random frames (training from scratch; uses the global RNG).
@@ -358,11 +377,25 @@ def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
     function; how much is logged and recorded in `model.stiefelize_report` (per converted weight, the
     relative change ||W' - W||_F / ||W||_F of its query and key blocks). Weights initialised at small
     scale (std 0.02, as Hugging Face models are) change a lot: a frame's columns have unit norm, so the
-    attention logits grow accordingly. Frames are kept in float32 (or the
-    model's float64); a half-precision model keeps float32 frames as master weights.
+    attention logits grow accordingly. init="svd" (one key head per query head) takes each head's best
+    frames for its bilinear form W_Q W_K^T instead: Q_h, K_h the top-r singular vectors of W_Q,h W_K,h^T,
+    which with one scalar per head (temperature=True) give the closest s Q K^T in Frobenius norm. That is
+    exact for the bilinear form only: a model that rotates q and k between projection and product (rotary
+    embeddings) or adds biases to them computes something else, and there svd can do worse than nearest.
+
+    temperature=True adds one learnable log-temperature per query head (an ordinary parameter, trained by
+    the AdamW groups of `param_groups`, not decayed), whose exp scales that head's query frame. It starts
+    at the scalar that keeps the head's bilinear form closest to the original, <W_Q W_K^T, Q K^T>_F / r (for
+    nearest frames, the logit scale the polar factors drop). Frames are kept in float32 (or the model's
+    float64); a half-precision model keeps float32 frames as master weights.
     """
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if temperature and init == "orthonormal":
+        raise ValueError(
+            "temperature=True starts each head's scale from its current W_Q, W_K: use init='nearest' or 'svd' "
+            "(fresh orthonormal frames have no scale to keep)"
+        )
     found = _find(model)
     if not found:
         supported = "; ".join(a.name for a in _ADAPTERS)
@@ -387,31 +420,84 @@ def stiefelize(model: nn.Module, init: str = "orthonormal") -> nn.Module:
                     f"{name}: heads of {p.head_dim} dimensions read a {d_model}-dimensional input; a frame on "
                     f"St(d, r) needs r <= d, so W_Q, W_K cannot be frames; nothing was converted"
                 )
+        if init == "svd" or temperature:
+            counts = {kind: [n for p in projections for k, n in p.pieces if k == kind] for kind in ("q", "k")}
+            if len(counts["q"]) != 1 or len(counts["k"]) != 1:
+                raise StiefelizeError(
+                    f"{name}: init={init!r} and temperature={temperature} pair each query head with its key head, "
+                    f"and this module's weights hold {len(counts['q'])} query and {len(counts['k'])} key blocks, "
+                    "not one each; nothing was converted"
+                )
+            if init == "svd" and counts["q"] != counts["k"]:
+                raise StiefelizeError(
+                    f"{name}: init='svd' needs one key head per query head ({counts['q'][0]} query heads share "
+                    f"{counts['k'][0]} key heads); use init='nearest' (with temperature=True to keep each head's "
+                    "scale); nothing was converted"
+                )
     report = {}
     for name, module, adapter, projections in planned:
+        converted = []
         for p in projections:
             weight = getattr(p.owner, p.name)
             before = weight.detach().clone()
             d_model = weight.shape[1] if p.rows else weight.shape[0]
-            param = StiefelProjection(p, d_model, init, dtype=weight.dtype)
+            param = StiefelProjection(p, d_model, init, dtype=weight.dtype, temperature=temperature)
             parametrize.register_parametrization(p.owner, p.name, param, unsafe=True)
-            after = getattr(p.owner, p.name).detach()
+            converted.append((p, param, before))
+        if init == "svd" or temperature:
+            _fit_heads(converted, init == "svd", temperature)
+        for p, param, before in converted:
             owner = next(n for n, m in module.named_modules() if m is p.owner)
             report[".".join(x for x in (name, owner, p.name) if x)] = {
                 "adapter": adapter.name,
-                "relative_change": param.qk_change(before, after),
+                "relative_change": param.qk_change(before, getattr(p.owner, p.name).detach()),
             }
     model.stiefelize_report = report
-    if init == "nearest":
+    if init != "orthonormal":
         worst = max(report.items(), key=lambda kv: kv[1]["relative_change"])
         log.warning(
-            "stiefelize(init='nearest') changed W_Q, W_K of %d weights by up to %.3g (relative, %s): the "
+            f"stiefelize(init={init!r}) changed W_Q, W_K of %d weights by up to %.3g (relative, %s): the "
             "function changes unless the heads were orthonormal",
             len(report),
             worst[1]["relative_change"],
             worst[0],
         )
     return model
+
+
+def _original(p: Projection, index: int) -> nn.Parameter:
+    return getattr(p.owner.parametrizations[p.name], f"original{index}")
+
+
+@torch.no_grad()
+def _fit_heads(converted: list[tuple[Projection, StiefelProjection, Tensor]], svd: bool, temperature: bool) -> None:
+    """One attention module's joint initialisation, from its weights before conversion.
+
+    svd: frames Q_h, K_h = the top-r singular vectors of W_Q,h W_K,h^T (from QR factors, never a D x D matrix).
+    temperature: the log of s_h = <W_Q,h W_K,g^T, Q_h K_g^T>_F / r, the scalar that brings query head h's
+    bilinear form closest to the original, g its key head (query heads in order share key heads in whole groups).
+    """
+    where = {}  # kind -> (its frame original, its heads before conversion (n, D, r) in the frame's dtype)
+    for p, param, before in converted:
+        heads = param.heads(before)
+        for i, (kind, _) in enumerate(p.pieces):
+            if kind != "rest":
+                frame = _original(p, i)
+                where[kind] = (frame, heads[kind].to(frame.dtype))
+    (q_frame, wq), (k_frame, wk) = where["q"], where["k"]
+    if svd:
+        qa, ra = torch.linalg.qr(wq)  # W_Q = Qa Ra, W_K = Qb Rb, so W_Q W_K^T = Qa (Ra Rb^T) Qb^T
+        qb, rb = torch.linalg.qr(wk)
+        u, _, vh = torch.linalg.svd(ra @ rb.transpose(-2, -1))
+        q_frame.copy_(qa @ u)
+        k_frame.copy_(qb @ vh.transpose(-2, -1))
+    if temperature:
+        k_of = torch.arange(q_frame.shape[0], device=q_frame.device) // (q_frame.shape[0] // k_frame.shape[0])
+        pk = k_frame.transpose(-2, -1) @ wk  # (Hkv, r, r): K^T W_K
+        pq = wq.transpose(-2, -1) @ q_frame  # (H, r, r): W_Q^T Q
+        scale = (pk[k_of] * pq.transpose(-2, -1)).sum((-2, -1)) / q_frame.shape[-1]  # tr(K^T W_K W_Q^T Q) / r
+        p = next(p for p, _, _ in converted if any(kind == "q" for kind, _ in p.pieces))
+        _original(p, len(p.pieces)).copy_(scale.clamp_min(torch.finfo(scale.dtype).tiny).log())
 
 
 @torch.no_grad()
