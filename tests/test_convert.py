@@ -696,3 +696,72 @@ def test_svd_and_temperature_refusals():
         stiefelize(model, init="nearest")  # without pairing it converts
     finally:
         convert_module._ADAPTERS.pop(0)
+
+
+def test_calibrated_temperature_is_the_least_squares_scale_of_the_modules_own_logits():
+    ref = _pretrained_like_nanogpt()
+    x = torch.randn(3, 7, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    model = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True, calibrate=lambda m: m(x))
+    temp = model[0].c_attn.parametrizations.weight.original3  # log-temperatures of the first module's heads
+    ref[0](x)
+    want = ref[0].last_logits  # (B, H, N, N), q k^T as the module computes it, biases included
+
+    def error(shift: float) -> torch.Tensor:  # per head, with every log-temperature moved by shift
+        with torch.no_grad():
+            temp.add_(shift)
+            model[0](x)
+            temp.sub_(shift)
+        return (model[0].last_logits - want).square().sum((0, 2, 3))
+
+    best = error(0.0)
+    assert (best < error(1e-3)).all() and (best < error(-1e-3)).all()
+    data_free = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True)
+    data_free[0](x)
+    assert float(best.sum()) < float((data_free[0].last_logits - want).square().sum())
+
+
+@needs_transformers
+def test_calibrated_temperature_reads_gpt2s_fused_conv1d_layout_and_biases():
+    torch.manual_seed(0)
+    ref = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=50, n_positions=16)).double()
+    with torch.no_grad():
+        ref.transformer.h[0].attn.c_attn.bias.normal_(0, 0.5)
+    ref.eval()  # the input the calibration sees: no dropout (stiefelize calibrates in eval mode)
+    ref.transformer.h[0].train()  # ...and puts back each module's mode afterwards
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    seen = []
+    hook = ref.transformer.h[0].attn.c_attn.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    ref(ids)
+    hook.remove()
+    model = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True, calibrate=lambda m: m(ids))
+    # independently of the library's layout code: c_attn computes x W + b with W (D, 3D) = [W_Q | W_K | W_V]
+    x, w, b = seen[0], ref.transformer.h[0].attn.c_attn.weight, ref.transformer.h[0].attn.c_attn.bias
+    per_head = lambda t: t.unflatten(-1, (4, 8)).transpose(-3, -2)  # (..., N, D) -> (..., H, N, r)  # noqa: E731
+    q_old, k_old = per_head(x @ w[:, :32] + b[:32]), per_head(x @ w[:, 32:64] + b[32:64])
+    conv = model.transformer.h[0].attn.c_attn
+    frame_q, frame_k = conv.parametrizations.weight.original0, conv.parametrizations.weight.original1
+    q_part = torch.einsum("bnd,hdr->bhnr", x, frame_q)
+    k_new = torch.einsum("bnd,hdr->bhnr", x, frame_k) + b[32:64].view(4, 1, 8)
+    a = q_part @ k_new.mT
+    target = q_old @ k_old.mT - b[:32].view(4, 1, 8) @ k_new.mT
+    want = ((target * a).sum((0, 2, 3)) / a.square().sum((0, 2, 3))).detach()
+    got = conv.parametrizations.weight.original3.detach().exp()
+    assert (want > 0).any() and (want < 0).any()  # random heads: both cases occur
+    torch.testing.assert_close(got[want > 0], want[want > 0])
+    data_free = stiefelize(copy.deepcopy(ref), init="nearest", temperature=True).transformer.h[0].attn.c_attn
+    floor = 1e-3 * data_free.parametrizations.weight.original3.detach().exp()
+    torch.testing.assert_close(got[want <= 0], floor[want <= 0])  # not positive: near 0, still trainable
+    assert model.transformer.h[0].training and not model.transformer.training
+
+
+def test_calibration_refusals_leave_the_model_unconverted():
+    model = nn.Sequential(CausalSelfAttention(), CausalSelfAttention())
+    with pytest.raises(ValueError, match="pass temperature=True"):
+        stiefelize(model, init="nearest", calibrate=lambda m: m(torch.randn(1, 3, 32)))
+    with pytest.raises(StiefelizeError, match=r"did not run 1: Linear; nothing was converted"):
+        stiefelize(model, init="nearest", temperature=True, calibrate=lambda m: m[0](torch.randn(1, 3, 32)))
+    mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    with pytest.raises(StiefelizeError, match="in_proj_weight is applied to several"):
+        stiefelize(mha, init="nearest", temperature=True, calibrate=lambda m: m(*[torch.randn(1, 3, 32)] * 3))
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in [*model.modules(), mha])
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the capture hooks are gone

@@ -126,8 +126,9 @@ class StiefelProjection(FrameParametrization):
             return list(weight.split(widths, dim=0 if self.rows else 1))
         groups = self._groups()
         shares = [w // groups for w in widths]  # each piece's units per key-value group
-        per_group = weight.reshape(groups, sum(shares), self.d_model).split(shares, dim=1)
-        return [b.reshape(groups * share, self.d_model) for b, share in zip(per_group, shares)]
+        width = weight.shape[-1]  # d_model for a weight, 1 for a bias seen as a column
+        per_group = weight.reshape(groups, sum(shares), width).split(shares, dim=1)
+        return [b.reshape(groups * share, width) for b, share in zip(per_group, shares)]
 
     def _join(self, blocks: list[Tensor]) -> Tensor:
         if not self.interleaved:
@@ -150,6 +151,15 @@ class StiefelProjection(FrameParametrization):
                     else block.reshape(self.d_model, n, self.head_dim).permute(1, 0, 2)
                 )
         return out
+
+    def head_biases(self, bias: Tensor) -> dict[str, Tensor]:
+        """Each frame piece's bias per head, {"q": (H, r), "k": (Hkv, r)}, of a bias of this layout."""
+        column = bias.reshape(-1, 1) if self.rows else bias.reshape(1, -1)
+        return {
+            kind: block.reshape(n, self.head_dim)
+            for (kind, n), block in zip(self.pieces, self._split(column))
+            if kind != "rest"
+        }
 
     def forward(self, *originals: Tensor) -> Tensor:
         blocks = []
@@ -368,7 +378,9 @@ def why_not(model: nn.Module) -> str:
     return f"no adapter knows the layout of {', '.join(attention)} (linear layers: {', '.join(kids) or 'none'})"
 
 
-def stiefelize(model: nn.Module, init: str = "orthonormal", *, temperature: bool = False) -> nn.Module:
+def stiefelize(
+    model: nn.Module, init: str = "orthonormal", *, temperature: bool = False, calibrate: Callable | None = None
+) -> nn.Module:
     """Re-parameterise W_Q and W_K of every supported attention module as frames, in place; returns model.
 
     init="orthonormal" draws fresh Haar-random frames (training from scratch; uses the global RNG).
@@ -386,11 +398,22 @@ def stiefelize(model: nn.Module, init: str = "orthonormal", *, temperature: bool
     temperature=True adds one learnable log-temperature per query head (an ordinary parameter, trained by
     the AdamW groups of `param_groups`, not decayed), whose exp scales that head's query frame. It starts
     at the scalar that keeps the head's bilinear form closest to the original, <W_Q W_K^T, Q K^T>_F / r (for
-    nearest frames, the logit scale the polar factors drop). Frames are kept in float32 (or the model's
-    float64); a half-precision model keeps float32 frames as master weights.
+    nearest frames, the logit scale the polar factors drop). With `calibrate`, a callable that runs the model on
+    a few typical inputs (`calibrate(model)`, called once under no_grad before anything is converted), each
+    temperature starts instead at the least-squares scalar between the head's logits before and after
+    conversion on the inputs its projections saw (in eval mode), biases included: it keeps the logits on data,
+    where the bilinear form weighs every direction alike (a head whose best scalar is not positive starts at a
+    thousandth of its bilinear-form scale: nearly uniform attention, still trainable). Logits are compared
+    before any rotary embedding, which a scalar cannot follow anyway. Each projection's weight must be applied
+    to its module's first argument (nn.Linear, transformers' Conv1D; not nn.MultiheadAttention's packed weight).
+
+    Frames are kept in float32 (or the model's float64); a half-precision model keeps float32 frames as
+    master weights.
     """
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if calibrate is not None and not temperature:
+        raise ValueError("calibrate sets each head's temperature: pass temperature=True with it")
     if temperature and init == "orthonormal":
         raise ValueError(
             "temperature=True starts each head's scale from its current W_Q, W_K: use init='nearest' or 'svd' "
@@ -434,6 +457,7 @@ def stiefelize(model: nn.Module, init: str = "orthonormal", *, temperature: bool
                     f"{counts['k'][0]} key heads); use init='nearest' (with temperature=True to keep each head's "
                     "scale); nothing was converted"
                 )
+    inputs = _capture_inputs(model, planned, calibrate) if calibrate is not None else None
     report = {}
     for name, module, adapter, projections in planned:
         converted = []
@@ -445,7 +469,7 @@ def stiefelize(model: nn.Module, init: str = "orthonormal", *, temperature: bool
             parametrize.register_parametrization(p.owner, p.name, param, unsafe=True)
             converted.append((p, param, before))
         if init == "svd" or temperature:
-            _fit_heads(converted, init == "svd", temperature)
+            _fit_heads(converted, init == "svd", temperature, inputs)
         for p, param, before in converted:
             owner = next(n for n, m in module.named_modules() if m is p.owner)
             report[".".join(x for x in (name, owner, p.name) if x)] = {
@@ -469,22 +493,89 @@ def _original(p: Projection, index: int) -> nn.Parameter:
     return getattr(p.owner.parametrizations[p.name], f"original{index}")
 
 
+def _capture_inputs(model: nn.Module, planned: list, calibrate: Callable) -> dict[int, list[Tensor]]:
+    """The inputs every projection's owner receives while calibrate(model) runs (id(owner) -> one per call)."""
+    owners = {id(p.owner): (f"{name}: {type(p.owner).__name__}", p) for name, _, _, ps in planned for p in ps}
+    for where, p in owners.values():
+        if p.name != "weight":  # e.g. nn.MultiheadAttention's in_proj_weight: its key input is another argument
+            raise StiefelizeError(
+                f"{where}: calibrate reads each projection's input as its module's first argument, and this "
+                f"module's {p.name} is applied to several; nothing was converted"
+            )
+    seen: dict[int, list[Tensor]] = {key: [] for key in owners}
+
+    def hook(module, args):
+        where, p = owners[id(module)]
+        width = getattr(module, p.name).shape[1 if p.rows else 0]
+        if not args or not isinstance(args[0], Tensor) or args[0].shape[-1] != width:
+            raise StiefelizeError(
+                f"{where}: calibrate needs the projection applied to the module's first argument (a tensor of "
+                f"width {width}), as nn.Linear does; nothing was converted"
+            )
+        seen[id(module)].append(args[0].detach())
+
+    handles = [p.owner.register_forward_pre_hook(hook) for _, (_, p) in owners.items()]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()  # no dropout in the statistics
+        with torch.no_grad():
+            calibrate(model)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    missing = [where for key, (where, _) in owners.items() if not seen[key]]
+    if missing:
+        raise StiefelizeError(f"calibrate(model) did not run {', '.join(missing)}; nothing was converted")
+    return seen
+
+
+def _least_squares_scale(q_frame, k_frame, wq, wk, biases, xs_q, xs_k) -> Tensor:
+    """Per query head, s minimising sum ||L - (s A + C)||^2 over the calibration calls, where L = q k^T before
+    conversion, A = (x Q_h) k'^T and C = b_q k'^T after (k' = x K_g + b_k): the scaled part is the frame's."""
+    bq, bk = biases
+    num = torch.zeros(q_frame.shape[0], dtype=q_frame.dtype, device=q_frame.device)
+    den = torch.zeros_like(num)
+    group = q_frame.shape[0] // k_frame.shape[0]
+    for xq, xk in zip(xs_q, xs_k):
+        xq, xk = xq.to(q_frame.dtype).reshape(-1, *xq.shape[-2:]), xk.to(q_frame.dtype).reshape(-1, *xk.shape[-2:])
+        q_old = torch.einsum("bnd,hdr->bhnr", xq, wq) + bq[:, None]  # (B, H, N, r)
+        k_old = (torch.einsum("bmd,gdr->bgmr", xk, wk) + bk[:, None]).repeat_interleave(group, dim=1)
+        q_frame_part = torch.einsum("bnd,hdr->bhnr", xq, q_frame)
+        k_new = (torch.einsum("bmd,gdr->bgmr", xk, k_frame) + bk[:, None]).repeat_interleave(group, dim=1)
+        target = q_old @ k_old.mT - bq[:, None] @ k_new.mT  # (B, H, N, M)
+        a = q_frame_part @ k_new.mT
+        num += (target * a).sum((0, 2, 3))
+        den += a.square().sum((0, 2, 3))
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+
+
 @torch.no_grad()
-def _fit_heads(converted: list[tuple[Projection, StiefelProjection, Tensor]], svd: bool, temperature: bool) -> None:
+def _fit_heads(
+    converted: list[tuple[Projection, StiefelProjection, Tensor]],
+    svd: bool,
+    temperature: bool,
+    inputs: dict[int, list[Tensor]] | None = None,
+) -> None:
     """One attention module's joint initialisation, from its weights before conversion.
 
     svd: frames Q_h, K_h = the top-r singular vectors of W_Q,h W_K,h^T (from QR factors, never a D x D matrix).
     temperature: the log of s_h = <W_Q,h W_K,g^T, Q_h K_g^T>_F / r, the scalar that brings query head h's
-    bilinear form closest to the original, g its key head (query heads in order share key heads in whole groups).
+    bilinear form closest to the original, g its key head (query heads in order share key heads in whole
+    groups); with inputs, the least-squares scalar of the head's logits on them instead.
     """
-    where = {}  # kind -> (its frame original, its heads before conversion (n, D, r) in the frame's dtype)
+    where = {}  # kind -> (frame original, heads before conversion (n, D, r), biases (n, r), owner's inputs)
     for p, param, before in converted:
         heads = param.heads(before)
-        for i, (kind, _) in enumerate(p.pieces):
+        bias = getattr(p.owner, "bias", None) if p.name == "weight" else None
+        biases = param.head_biases(bias.detach()) if isinstance(bias, Tensor) else {}
+        for i, (kind, n) in enumerate(p.pieces):
             if kind != "rest":
                 frame = _original(p, i)
-                where[kind] = (frame, heads[kind].to(frame.dtype))
-    (q_frame, wq), (k_frame, wk) = where["q"], where["k"]
+                b = biases.get(kind, torch.zeros(n, p.head_dim)).to(frame)
+                where[kind] = (frame, heads[kind].to(frame.dtype), b, inputs[id(p.owner)] if inputs else None)
+    (q_frame, wq, bq, xs_q), (k_frame, wk, bk, xs_k) = where["q"], where["k"]
     if svd:
         qa, ra = torch.linalg.qr(wq)  # W_Q = Qa Ra, W_K = Qb Rb, so W_Q W_K^T = Qa (Ra Rb^T) Qb^T
         qb, rb = torch.linalg.qr(wk)
@@ -496,6 +587,10 @@ def _fit_heads(converted: list[tuple[Projection, StiefelProjection, Tensor]], sv
         pk = k_frame.transpose(-2, -1) @ wk  # (Hkv, r, r): K^T W_K
         pq = wq.transpose(-2, -1) @ q_frame  # (H, r, r): W_Q^T Q
         scale = (pk[k_of] * pq.transpose(-2, -1)).sum((-2, -1)) / q_frame.shape[-1]  # tr(K^T W_K W_Q^T Q) / r
+        if xs_q is not None:  # the best positive scalar is max(s, 0): a head whose s is not positive starts near 0,
+            # at a thousandth of its bilinear-form scale, where its log-temperature can still train
+            fitted = _least_squares_scale(q_frame, k_frame, wq, wk, (bq, bk), xs_q, xs_k)
+            scale = torch.where(fitted > 1e-3 * scale, fitted, 1e-3 * scale)
         p = next(p for p, _, _ in converted if any(kind == "q" for kind, _ in p.pieces))
         _original(p, len(p.pieces)).copy_(scale.clamp_min(torch.finfo(scale.dtype).tiny).log())
 

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 # The registered families, in the order `reproduce` runs them and REPORT.md lists them.
-FAMILY_MODULES = ("cifar", "grok", "lm", "mqar")
+FAMILY_MODULES = ("cifar", "grok", "lm", "mqar", "pretrained")
 
 
 class Plan(NamedTuple):
