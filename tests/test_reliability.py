@@ -30,6 +30,7 @@ from stiefel_attention import (
     stiefelize,
 )
 from stiefel_attention.bench import cli, grok, lm
+from stiefel_attention.bench import runner as runner_module
 from stiefel_attention.bench.errors import DataError, UserError
 from stiefel_attention.bench.family import with_data
 from stiefel_attention.bench.lock import Claims
@@ -470,3 +471,26 @@ def test_stiefelize_refuses_a_half_converted_model_without_converting_anything()
         stiefelize(layers)
     assert frames(layers[0]) == [] and frames(layers[1]) == []
     assert all(torch.equal(before[k], v) for k, v in layers[0].state_dict().items())
+
+
+def test_cells_are_claimed_one_at_a_time_so_a_second_command_can_take_the_rest(tmp_path, monkeypatch):
+    """A command claims each cell only when it is about to run it: another process that starts meanwhile finds
+    the later cells free, takes one, and this command leaves it to that process and goes on with the others."""
+    runs = tmp_path / "runs"
+    cells = [_grok_cell(s) for s in range(3)]
+    other: list[subprocess.Popen] = []
+    real = runner_module.execute_cell
+
+    def run_and_meanwhile_start_another(cell, threads=None):
+        if not other:  # while the first cell runs, a second command claims the second cell
+            other.append(_hold_claim(runs, cells[1], {"profile": "smoke"}))
+        return real(cell, threads)
+
+    monkeypatch.setattr(runner_module, "execute_cell", run_and_meanwhile_start_another)
+    try:
+        records, failures = run_cells(cells, runs, InlineExecutor(), progress=False)
+        assert failures == [] and set(records) == {cells[0].key, cells[2].key}
+    finally:
+        for proc in other:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -10,6 +10,7 @@ tests and debugging) and `RayExecutor` (one Ray task per run, on a local or remo
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import multiprocessing as mp
 import os
 import sys
@@ -160,17 +161,27 @@ class LocalExecutor:
         self.threads = max(1, cores // self.jobs)
 
     def submit(self, cells, runs_dir=None):
-        if not cells:
+        """Keeps `jobs` cells in flight, taking the next from `cells` only when one finishes (so that a lazy
+        iterable, e.g. run_cells' claims, claims no cell before a worker is free for it)."""
+        cells = iter(cells)
+        first = list(itertools.islice(cells, self.jobs))
+        if not first:
             return
         ctx = mp.get_context("spawn")  # no forked torch thread pools
-        pool = cf.ProcessPoolExecutor(max_workers=min(self.jobs, len(cells)), mp_context=ctx)
+        pool = cf.ProcessPoolExecutor(max_workers=len(first), mp_context=ctx)
         try:
-            futures = {pool.submit(_execute_in_worker, cell, self.threads, os.getpid()): cell for cell in cells}
-            for fut in cf.as_completed(futures):
-                try:
-                    yield futures[fut], fut.result()
-                except Exception as err:
-                    yield futures[fut], err
+            futures = {pool.submit(_execute_in_worker, cell, self.threads, os.getpid()): cell for cell in first}
+            while futures:
+                finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                for fut in finished:
+                    cell = futures.pop(fut)
+                    try:
+                        outcome = fut.result()
+                    except Exception as err:
+                        outcome = err
+                    yield cell, outcome
+                    for nxt in itertools.islice(cells, 1):
+                        futures[pool.submit(_execute_in_worker, nxt, self.threads, os.getpid())] = nxt
         except BaseException:  # Ctrl-C or SIGINT to this process alone, or the consumer stopping
             # The workers did not get the signal (it went to this process only): stop them now
             # instead of letting them train to the end for results nobody will write.
@@ -242,6 +253,7 @@ class RayExecutor:
         return ray
 
     def submit(self, cells, runs_dir=None):
+        cells = list(cells)  # every cell at once: Ray schedules them over the cluster
         if not cells:
             return
         ray = self.import_ray()
@@ -331,63 +343,77 @@ def run_cells(
 ) -> tuple[dict[str, dict], list[tuple[Cell, BaseException]]]:
     """Run every cell whose record is missing; return ({cell.key: record}, failures).
 
-    The folder is created and checked for writing first. Under the folder's lock, what it holds is
-    checked (one profile, one dataset: `check_folder`) and every missing cell is claimed (`lock.py`);
-    a cell another live process has claimed is left to it, so concurrent commands on one folder split
-    the work. Records are written the moment each run finishes. Duplicate cells (same key) run once.
+    The folder is created and checked for writing first. Cells are claimed (`lock.py`) one at a time, as
+    the executor becomes ready for each (all at once on Ray, which schedules them itself), each claim
+    taken under the folder's lock after checking what the folder holds (one profile, one dataset:
+    `check_folder`); a cell another live process has claimed or finished is left to it, so concurrent
+    commands on one folder split the work between them. Records are written the moment each run
+    finishes. Duplicate cells (same key) run once.
     """
     runs_dir = ensure_writable(runs_dir)
     unique = list({c.key: c for c in cells}.values())
     records: dict[str, dict] = {}
-    pending: list[Cell] = []
+    missing: list[Cell] = []
     busy: list[Cell] = []
     claims = Claims(runs_dir)
     signatures = {_signature(c.config) for c in unique}
-    with claims.folder():
+
+    def check() -> None:
         if len(signatures) == 1:
             (profile, data_sha256), source = next(iter(signatures)), unique[0].options.get("data")
             check_folder(runs_dir, profile, data_sha256, source, claims)
+
+    with claims.folder():
+        check()
         for cell in unique:
             done = read_record(cell.path(runs_dir))
+            if done is not None:
+                records[cell.key] = done
+            else:
+                missing.append(cell)
+    failures: list[tuple[Cell, BaseException]] = []
+    bar = None
+
+    def claimed() -> Iterator[Cell]:
+        """The missing cells this process claims, each when the executor asks for the next."""
+        for cell in missing:
             about = {
                 **dict(zip(("profile", "data_sha256"), _signature(cell.config))),
                 "source": cell.options.get("data"),
             }
-            if done is None and claims.claim(cell, about):
-                # another process may have finished it between our look and our claim
-                done = read_record(cell.path(runs_dir), warn=False)
-                if done is None:
-                    pending.append(cell)
-                    continue
+            with claims.folder():
+                check()
+                ok = claims.claim(cell, about)
+            # another process may have finished it since we looked, or holds it now
+            done = read_record(cell.path(runs_dir), warn=False)
+            if ok and done is None:
+                yield cell
+                continue
+            if ok:
                 claims.release(cell)
             if done is not None:
                 records[cell.key] = done
             else:
                 busy.append(cell)
-    if busy:
-        print(
-            f"{len(busy)} run(s) are in flight in another process on {runs_dir} "
-            f"({', '.join(c.name for c in busy[:3])}{', ...' if len(busy) > 3 else ''}): left to it",
-            file=sys.stderr,
-        )
-    failures: list[tuple[Cell, BaseException]] = []
-    if not pending:
-        return records, failures
-    executor = executor or LocalExecutor()
-    bar = None
-    if progress:
-        from tqdm import tqdm
+            if bar is not None:
+                bar.total -= 1
+                bar.refresh()
 
-        bar = tqdm(
-            total=len(pending),
-            desc=desc,
-            unit="run",
-            initial=0,
-            dynamic_ncols=True,
-            postfix={"done before": len(unique) - len(pending) - len(busy)},
-        )
+    if missing:
+        executor = executor or LocalExecutor()
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=len(missing),
+                desc=desc,
+                unit="run",
+                initial=0,
+                dynamic_ncols=True,
+                postfix={"done before": len(unique) - len(missing)},
+            )
     try:
-        for cell, outcome in executor.submit(pending, runs_dir):
+        for cell, outcome in executor.submit(claimed(), runs_dir) if missing else ():
             if isinstance(outcome, BaseException):
                 failures.append((cell, outcome))
                 print(f"\nrun {cell.name} failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)
@@ -401,6 +427,12 @@ def run_cells(
         claims.release_all()
         if bar is not None:
             bar.close()
+    if busy:
+        print(
+            f"{len(busy)} run(s) were in flight in another process on {runs_dir} "
+            f"({', '.join(c.name for c in busy[:3])}{', ...' if len(busy) > 3 else ''}): left to it",
+            file=sys.stderr,
+        )
     return records, failures
 
 
