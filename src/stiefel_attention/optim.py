@@ -28,10 +28,8 @@ that the tests hold to each other:
   `manifold.py`; it also covers the ablations (no projector, coordinate-wise second moment).
 - `_batched_*` (fast, the default where it applies): matrix products with d rows are issued per
   parameter tensor (each holds a batch of frames, e.g. one per head) and the r x r work is
-  batched over all frames of one shape (the products write into buffers shared by the batch, so
-  everything r x r, the per-frame scalars and the inverse roots, takes a handful of operations
-  per step whatever the number of tensors). A step costs five d-sized products per frame:
-      A = W^T G,  H = b1 W^T m + (1-b1) A,  m <- U - W sym(H)  with U = b1 m + (1-b1) G,
+  batched over all frames of one shape. A step costs five d-sized products per frame:
+      A = W^T G,  B = W^T m,  m <- U - W sym(b1 B + (1-b1) A)  with U = b1 m + (1-b1) G,
       Gram(W + xi),  W' = (W + xi) Gram^(-1/2),
   with ||g||_F^2 = ||G||_F^2 - ||sym(A)||_F^2 (P_W is an orthogonal projection) instead of
   forming g (exact algebra; in float32 it loses relative accuracy only when a gradient is almost
@@ -64,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -328,48 +326,22 @@ def _single_tensor_stiefel_adam(
                 _keep_where(k, new, before)
 
 
-class _Tangent(NamedTuple):
-    """What `_batched_tangent_sq_norms` returns. `As` and `sq_norms` are per parameter, views of `A_all`
-    (N, r, r) and `sq_all` (N,), which hold the same numbers for all N frames of the batch in order."""
-
-    As: list[Tensor]
-    sq_norms: list[Tensor]
-    A_all: Tensor
-    sq_all: Tensor
-
-
-def _frame_counts(params: Sequence[Tensor]) -> list[int]:
-    return [_frames_view(W).shape[0] for W in params]
-
-
-def _tangent_all(precomputed) -> tuple[Tensor, Tensor]:
-    """(A_all, sq_all) of a `_Tangent`, or joined from a plain (As, sq_norms) pair."""
-    if isinstance(precomputed, _Tangent):
-        return precomputed.A_all, precomputed.sq_all
-    As, sq_norms = precomputed
-    return torch.cat([A.reshape(-1, *A.shape[-2:]) for A in As]), torch.cat([s.reshape(-1) for s in sq_norms])
-
-
-def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor]) -> _Tangent:
+def _batched_tangent_sq_norms(params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     """Per parameter: A = W^T G, shape (n, r, r), and ||P_W(G)||_F^2 per frame, shape (n,).
 
     ||P_W G||^2 = ||G||^2 - ||sym(W^T G)||^2 because P_W is the orthogonal projection whose
     complement is G -> W sym(W^T G). A NaN or inf anywhere in a frame's gradient makes its norm
-    non-finite, so the norms double as the finiteness check (the caller's). The d-sized work is
-    issued per parameter into buffers shared by the batch; the r x r work runs once on all of it.
+    non-finite, so the norms double as the finiteness check (the caller's).
     """
-    W3s = [_frames_view(W) for W in params]
-    counts = [W3.shape[0] for W3 in W3s]
-    r = W3s[0].shape[-1]
-    A_all = W3s[0].new_empty(sum(counts), r, r)
-    sq_all = W3s[0].new_empty(sum(counts))
-    for W3, G, A, g_norm in zip(W3s, grads, A_all.split(counts), sq_all.split(counts)):
+    As, sq_norms = [], []
+    for W, G in zip(params, grads):
+        W3 = _frames_view(W)
         G3 = G.reshape(W3.shape)
-        torch.bmm(W3.mT, G3, out=A)
-        torch.linalg.vector_norm(G3, dim=(-2, -1), out=g_norm)
-    sq_all.square_().sub_(torch.linalg.matrix_norm(sym(A_all)).square_())
-    sq_all.clamp_min_(0.0)  # round-off can push an all-normal gradient below 0
-    return _Tangent(list(A_all.split(counts)), list(sq_all.split(counts)), A_all, sq_all)
+        A = torch.bmm(W3.mT, G3)  # (n, r, r)
+        sq = torch.linalg.vector_norm(G3, dim=(-2, -1)).square() - torch.linalg.matrix_norm(sym(A)).square()
+        As.append(A)
+        sq_norms.append(sq.clamp_min_(0.0))  # round-off can push an all-normal gradient below 0
+    return As, sq_norms
 
 
 def _batched_moment_update(
@@ -384,19 +356,18 @@ def _batched_moment_update(
 ) -> None:
     """m <- P_W(beta * m + dampening * G) in place, given A = W^T G (two d-sized products).
 
-    With U = beta m + dampening G, H = W^T U = dampening A + beta W^T m comes out of the one product
-    with the old moment (tangent at the previous frame, not at W), and m <- U - W sym(H).
     With keep (skip mode), the new moment is formed in scratch and copied into m only for the frames
     marked True: the others keep theirs exactly, at the cost of one extra pass instead of a clone.
     """
     W3, m3 = _frames_view(W), _frames_view(m)
-    H = torch.baddbmm(A, W3.mT, m3, beta=dampening, alpha=beta)  # (n, r, r)
+    B = torch.bmm(W3.mT, m3)  # (n, r, r); the old m is tangent at the previous frame, not at W
     out = m if keep is None else scratch.view_as(m)
     if dampening == 1.0:  # SGD momentum: m <- G + beta m, in one pass
         torch.add(G.view_as(m), m, alpha=beta, out=out)
     else:  # Adam, dampening = 1 - beta: m <- m + dampening (G - m), in one pass
         torch.lerp(m, G.view_as(m), dampening, out=out)
-    _frames_view(out).baddbmm_(W3, H + H.mT, alpha=-0.5)  # - W sym(H)
+    S = sym(B.mul_(beta).add_(A, alpha=dampening))
+    _frames_view(out).baddbmm_(W3, S, alpha=-1.0)
     if keep is not None:
         torch.where(keep.view(-1, 1, 1), _frames_view(out), m3, out=m3)
 
@@ -427,114 +398,76 @@ def _batched_stiefel_adam(
         precomputed = _batched_tangent_sq_norms(params, grads)
         if keep is None:
             _refuse_if_non_finite(precomputed[1], [f"frame parameter {i} of this group" for i in range(len(params))])
-    A_all, sq_all = _tangent_all(precomputed)
-    counts = _frame_counts(params)
-    torch._foreach_add_(state_steps, 1)
-    # The per-frame scalars first, for every tensor of the batch at once: they need ||g||^2, not the moment.
-    v_before = torch.cat([v.reshape(-1) for v in exp_avg_sqs])
-    v_all = v_before.mul(beta2).add_(sq_all, alpha=1.0 - beta2)
-    keep_all = None if keep is None else torch.cat([k.reshape(-1) for k in keep])
-    if keep_all is not None:  # skipped frames keep their moments
-        v_all = torch.where(keep_all, v_all, v_before)
-    torch._foreach_copy_(exp_avg_sqs, [x.view(v.shape) for x, v in zip(v_all.split(counts), exp_avg_sqs)])
-    tiny = torch.finfo(v_all.dtype).tiny
-    # clamp: with eps = 0 and an all-zero gradient history, m = 0 too and the step is 0, not 0/0
-    if keep_all is None:  # host bias corrections (the step counts are read back: one sync per tensor)
-        bcs = [_bias_corrections(float(step_t), beta1, beta2) for step_t in state_steps]
-        if all(bc == bcs[0] for bc in bcs):
-            bc1, bc2 = bcs[0]
-            coefs = (lr / bc1) / (v_all / bc2).sqrt().add_(eps).clamp_min_(tiny)  # (N,): xi = -coef * m
-        else:  # tensors of the batch that have taken different numbers of steps
-            coefs = torch.cat(
-                [
-                    (lr / bc1) / (v / bc2).sqrt().add_(eps).clamp_min_(tiny)
-                    for v, (bc1, bc2) in zip(v_all.split(counts), bcs)
-                ]
-            )
-    else:  # skip mode: everything on the device; skipped frames take a zero step
-        # the counts are float32: correct in the frames' precision
-        t = torch.cat([s.to(device=v_all.device, dtype=v_all.dtype).expand(n) for s, n in zip(state_steps, counts)])
+    As, sq_norms = precomputed
+    coefs = []  # per frame: xi = -coef * m
+    for i, (W, G, m, v, step_t, A, sq, ws) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, As, sq_norms, workspaces)
+    ):
+        tiny = torch.finfo(v.dtype).tiny
+        old_v = None if keep is None else v.clone()  # one scalar per frame
+        step_t += 1
+        _batched_moment_update(W, G, m, A, beta1, 1.0 - beta1, None if keep is None else keep[i], ws)
+        v.mul_(beta2).add_(sq.view_as(v), alpha=1.0 - beta2)
+        if keep is None:  # host bias corrections (the step count is read back: one sync per tensor)
+            bc1, bc2 = _bias_corrections(float(step_t), beta1, beta2)
+            # clamp: with eps = 0 and an all-zero gradient history, m = 0 too and the step is 0, not 0/0
+            coefs.append((lr / bc1) / (v.reshape(-1) / bc2).sqrt().add_(eps).clamp_min_(tiny))  # (n,)
+            continue
+        # skip mode: everything on the device; skipped frames keep their moments and take a zero step
+        _keep_where(keep[i], v.view(-1), old_v.view(-1))
+        t = step_t.to(device=v.device, dtype=v.dtype)  # the count is float32: correct in the frames' precision
         bc1 = 1.0 - torch.pow(beta1, t)
         bc2 = 1.0 - torch.pow(beta2, t)
-        coefs = (lr / bc1) / (v_all / bc2).sqrt().add_(eps).clamp_min_(tiny)
-        coefs = torch.where(keep_all, coefs, torch.zeros_like(coefs))
-    As = A_all.split(counts)
-
-    def moment_update(i: int) -> None:
-        k = None if keep is None else keep[i]
-        _batched_moment_update(params[i], grads[i], exp_avgs[i], As[i], beta1, 1.0 - beta1, k, workspaces[i])
-
-    _batched_retract(params, exp_avgs, coefs, workspaces, max_step, keep_all, form_direction=moment_update)
+        coef = (lr / bc1) / (v.reshape(-1) / bc2).sqrt().add_(eps).clamp_min_(tiny)
+        coefs.append(torch.where(keep[i], coef, torch.zeros_like(coef)))
+    _batched_retract(params, exp_avgs, coefs, workspaces, max_step, keep)
 
 
 def _batched_retract(
     params: list[Tensor],
     directions: list[Tensor],
-    coefs: Tensor,
+    coefs: list[Tensor],
     workspaces: list[Tensor],
     max_step: float | None,
-    keep: Tensor | None = None,
+    keep: list[Tensor] | None = None,
     finite_directions: bool = True,
-    form_direction: Callable[[int], None] | None = None,
 ) -> None:
-    """W <- polar(W - c * direction) for every frame, c = coefs (one per frame of the batch, in order) after
-    the trust region. `form_direction(i)`, when given, writes directions[i] just before it is read, so that
-    the tensors it touches are still in cache for the retraction's own passes.
+    """W <- polar(W - c * direction) for every frame, c per frame after the trust region.
 
-    The Gram matrices of all frames of this shape are formed into one buffer and their r x r inverse
-    square roots computed in one batch. For W orthonormal and xi tangent, Gram(W + xi) = I + xi^T xi
-    has eigenvalues in [1, 1 + ||xi||_F^2]; the margin covers round-off in W and in xi's tangency.
-    Without `keep` the upper bound is read back from the device: the largest actual step (often well
-    below max_step, which allows a cheaper series), or with no trust region, where the step norms are
-    not needed otherwise, the largest ||Gram - I||_F (which bounds every eigenvalue's distance from 1).
-    With `keep` and max_step it is max_step itself (no sync), and frames marked False (`keep`, one bool
-    per frame of the batch) are left exactly as they were.
+    The r x r inverse square roots of all frames of this shape are computed in one batch. For
+    W orthonormal and xi tangent, Gram(W + xi) = I + xi^T xi has eigenvalues in
+    [1, 1 + ||xi||_F^2]; the margin covers round-off in W and in xi's tangency. Without `keep`
+    the bound is the largest actual step, read back from the device (often well below max_step,
+    which allows a cheaper series); with `keep` it is max_step itself (no sync), and frames
+    marked False are left exactly as they were.
     """
-    counts = _frame_counts(params)
-    if keep is not None:  # a skipped frame takes a zero step: Y = W exactly when its direction is finite
-        coefs = torch.where(keep, coefs, torch.zeros_like(coefs))
-        keeps = keep.split(counts)
-    tiny = torch.finfo(coefs.dtype).tiny
-    r = params[0].shape[-1]
-    grams = coefs.new_empty(coefs.shape[0], r, r)
-    step_norms = []
-    for i, (W, D, c, buf, gram) in enumerate(
-        zip(params, directions, coefs.split(counts), workspaces, grams.split(counts))
-    ):
-        if form_direction is not None:
-            form_direction(i)
+    grams, step_norms = [], []
+    for i, (W, D, c, buf) in enumerate(zip(params, directions, coefs, workspaces)):
         D3 = _frames_view(D)
+        if keep is not None:  # a skipped frame takes a zero step: Y = W exactly when its direction is finite
+            c = torch.where(keep[i], c, torch.zeros_like(c))
+        step_norm = c * torch.linalg.vector_norm(D3, dim=(-2, -1))  # (n,) = ||xi||_F before the cap
         if max_step is not None:
-            step_norm = c * torch.linalg.vector_norm(D3, dim=(-2, -1))  # (n,) = ||xi||_F before the cap
-            c = c * (max_step / step_norm.clamp_min(tiny)).clamp(max=1.0)
-            step_norms.append(step_norm.clamp(max=max_step))
+            c = c * (max_step / step_norm.clamp_min(torch.finfo(c.dtype).tiny)).clamp(max=1.0)
+            step_norm = step_norm.clamp(max=max_step)
+        step_norms.append(step_norm)
         Y = _frames_view(buf)
         torch.addcmul(_frames_view(W), D3, c.view(-1, 1, 1), value=-1.0, out=Y)  # Y = W + xi
         if keep is not None and not finite_directions:  # a skipped frame's direction may hold NaN
-            _keep_where(keeps[i], Y, _frames_view(W))
-        torch.bmm(Y.mT, Y, out=gram)  # (n, r, r)
+            _keep_where(keep[i], Y, _frames_view(W))
+        grams.append(torch.bmm(Y.mT, Y))  # (n, r, r)
+    if keep is not None and max_step is not None:
+        step_bound = max_step
+    else:  # the largest actual step (<= max_step) sets how much r x r work the inverse root needs
+        # (a zero for frame tensors that hold no frames: an empty shard)
+        step_bound = float(torch.cat([*step_norms, step_norms[0].new_zeros(1)]).max())
     # ||W^T W - I|| stays ~1e-6 in float32 (the retraction corrects it every step): 100x headroom.
     margin = 1e-8 if params[0].dtype == torch.float64 else 1e-4
-    if max_step is None:  # (a zero for a batch that holds no frames: empty shards)
-        E = grams.clone()
-        E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
-        spread = float(torch.cat([torch.linalg.matrix_norm(E), E.new_zeros(1)]).max())
-        lo, hi = 1.0 - margin, 1.0 + spread + margin
-    else:
-        step_bound = max_step if keep is not None else float(torch.cat([*step_norms, coefs.new_zeros(1)]).max())
-        lo, hi = 1.0 - margin, 1.0 + step_bound**2 + margin
-    inv_roots = inv_sqrt_gram(grams, lo, hi)
-    if keep is not None:
-        # W' = Y + Y P with P = (Y^T Y)^(-1/2) - I, and P = 0 for a skipped frame: W' = Y + Y 0 = Y = W exactly,
-        # in whatever precision the product runs, with no pass to select the skipped frames
-        inv_roots.diagonal(dim1=-2, dim2=-1).sub_(1.0)
-        inv_roots = torch.where(keep.view(-1, 1, 1), inv_roots, torch.zeros_like(inv_roots))
-    for W, buf, M in zip(params, workspaces, inv_roots.split(counts)):
-        Y = _frames_view(buf)
-        if keep is None:
-            torch.bmm(Y, M, out=_frames_view(W))  # W' = Y (Y^T Y)^(-1/2)
-        else:
-            torch.baddbmm(Y, Y, M, out=_frames_view(W))
+    inv_roots = inv_sqrt_gram(torch.cat(grams), 1.0 - margin, 1.0 + step_bound**2 + margin)
+    for i, (W, buf, M) in enumerate(zip(params, workspaces, inv_roots.split([g.shape[0] for g in grams]))):
+        torch.bmm(_frames_view(buf), M, out=_frames_view(W))  # W' = Y (Y^T Y)^(-1/2)
+        if keep is not None:
+            _keep_where(keep[i], _frames_view(W), _frames_view(buf))  # Y = W exactly where skipped
 
 
 def _refuse_if_non_finite(values: list[Tensor], names: Sequence[str], meshes: Sequence = ()) -> None:
@@ -597,26 +530,20 @@ def stiefel_sgd(
         precomputed = _batched_tangent_sq_norms(params, grads)  # the norms: finiteness check only
         if keep is None:
             _refuse_if_non_finite(precomputed[1], [f"frame parameter {i} of this group" for i in range(len(params))])
-    A_all = _tangent_all(precomputed)[0]
-    As = A_all.split(_frame_counts(params))
-
-    def form_direction(i: int) -> None:
-        W, G, A, buf = params[i], grads[i], As[i], workspaces[i]
-        if momentum != 0.0:
-            _batched_moment_update(W, G, momentum_buffers[i], A, momentum, 1.0, None if keep is None else keep[i], buf)
-        else:
-            # The direction is g = G - W sym(A) itself, held in the workspace; the retraction then overwrites
-            # it elementwise with W + xi in the same pass that reads it.
-            W3 = _frames_view(W)
-            torch.baddbmm(G.reshape(W3.shape), W3, A + A.mT, alpha=-0.5, out=_frames_view(buf))
-
-    directions = momentum_buffers if momentum != 0.0 else workspaces
-    coefs = A_all.new_full((A_all.shape[0],), lr)
-    keep_all = None if keep is None else torch.cat([k.reshape(-1) for k in keep])
+    As = precomputed[0]
+    if momentum != 0.0:
+        for i, (W, G, buf, A) in enumerate(zip(params, grads, momentum_buffers, As)):
+            _batched_moment_update(W, G, buf, A, momentum, 1.0, None if keep is None else keep[i], workspaces[i])
+        directions = momentum_buffers
+    else:
+        # The direction is g itself, held in the workspace; the retraction then overwrites it
+        # elementwise with W + xi in the same pass that reads it.
+        for W, G, A, buf in zip(params, grads, As, workspaces):
+            torch.baddbmm(G.reshape(_frames_view(W).shape), _frames_view(W), sym(A), alpha=-1.0, out=_frames_view(buf))
+        directions = workspaces
+    coefs = [torch.full((_frames_view(W).shape[0],), lr, dtype=W.dtype, device=W.device) for W in params]
     # with momentum the directions are the (restored, finite) buffers; without, the raw tangent gradients
-    _batched_retract(
-        params, directions, coefs, workspaces, max_step, keep_all, momentum != 0.0, form_direction=form_direction
-    )
+    _batched_retract(params, directions, coefs, workspaces, max_step, keep, finite_directions=momentum != 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
