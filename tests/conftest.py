@@ -17,6 +17,15 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _denormals_as_ieee():
+    """Scripts and runners under test flush denormals to zero (their CPU hygiene), a process-wide state torch
+    cannot read back: put the IEEE default back after every test, so that no test depends on the order
+    (hypothesis refuses to draw floats while subnormals are flushed)."""
+    yield
+    torch.set_flush_denormal(False)
+
+
 VOCAB, CONTEXT = 11, 8
 
 
