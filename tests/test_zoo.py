@@ -103,3 +103,31 @@ def test_zoo_the_table_is_what_the_current_code_does(zoo):
             changed.append(f"{model_type}: table {table[model_type]['status']} {table[model_type]['checks']}, "
                            f"now {row['status']} {row['checks']}")  # fmt: skip
     assert changed == [], "docs/zoo.md is out of date (python tools/zoo.py):\n" + "\n".join(changed)
+
+
+def test_zoo_shrinks_hybrids_to_one_layer_of_each_kind_and_heads_to_the_width(zoo):
+    class Config:  # the fields a hybrid's config has (first layers all linear attention, as Qwen3-Next's are)
+        num_hidden_layers = 2
+        layer_types = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+
+    config = Config()
+    zoo._shrink_layer_types(config)
+    assert config.layer_types == ["linear_attention", "full_attention"] and config.num_hidden_layers == 2
+    shrunk = zoo.small_config("cpmant")  # its head width is a field of its own (dim_head 128 > width 64)
+    assert shrunk.dim_head == 16 and shrunk.hidden_size == 64
+
+
+def test_a_query_projection_wider_than_its_heads_is_refused_as_an_unknown_layout():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from stiefel_attention import stiefelize
+    from stiefel_attention.convert import StiefelizeError
+
+    config = Qwen3NextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layer_types=["full_attention"], vocab_size=50, num_experts=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = Qwen3NextForCausalLM(config)  # its q_proj holds a gate per head beside the queries
+    with pytest.raises(StiefelizeError, match="not 4 query heads .*a layout no adapter knows"):
+        stiefelize(model)

@@ -55,10 +55,33 @@ _ENOUGH = {"vocab_size": 128, "max_position_embeddings": 128, "n_positions": 128
 
 
 def small_config(model_type: str):
-    """The type's default config with every size field shrunk (width 64, 2 layers, 4 heads of 16)."""
+    """The type's default config with every size field shrunk (width 64, 2 layers, 4 heads of 16), sub-configs
+    (a multimodal model's text and vision towers) too."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
+    _shrink(config)
+    for name in list(config.to_dict()):
+        sub = getattr(config, name, None)
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config
+            _shrink(sub)
+    return config
+
+
+# Widths of parts of a head (rotary and non-rotary parts, multi-head latent attention's ranks): at most these,
+# so that they fit the 16-wide heads
+_HEAD_PARTS = {
+    "rotary_dim": 8,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "partial_rotary_dim": 8,
+}
+
+
+def _shrink(config) -> None:
     for value, names in _SIZES:
         for name in names:
             if name in config.to_dict() or name in getattr(config, "attribute_map", {}):
@@ -66,31 +89,45 @@ def small_config(model_type: str):
                     setattr(config, name, value)
                 except (AttributeError, TypeError, ValueError):
                     pass
-    for name, value in _AT_MOST.items():
-        if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
-            setattr(config, name, value)
-    for name, value in _ENOUGH.items():
-        if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
-            setattr(config, name, value)
-    for name in ("num_key_value_heads", "num_kv_heads", "kv_n_heads"):
+    for name, value in {**_AT_MOST, **_ENOUGH, **_HEAD_PARTS}.items():
+        try:
+            if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
+                setattr(config, name, value)
+        except Exception:  # per-layer attributes some configs refuse to read globally
+            pass
+    for name in ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "swa_num_key_value_heads"):
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, 2)
-    layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(getattr(config, "layer_types", None), list) and isinstance(layers, int):
+    if isinstance(getattr(config, "swa_num_attention_heads", None), int):  # sliding-window layers' own heads
+        config.swa_num_attention_heads = 4
+    _shrink_layer_types(config)
+    for name in ("head_dim", "dim_head", "swa_head_dim"):  # a head width stated apart from the model's width
         try:
-            config.layer_types = config.layer_types[:layers]  # a per-layer list must match the layer count
-        except AttributeError:  # derived from other fields (a property without a setter)
-            pass
-    if getattr(config, "head_dim", None):
-        try:
-            config.head_dim = 16
-        except AttributeError:
+            if getattr(config, name, None):
+                setattr(config, name, 16)
+        except Exception:
             pass
     vocab = getattr(config, "vocab_size", None)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         if isinstance(vocab, int) and isinstance(getattr(config, name, None), int) and getattr(config, name) >= vocab:
             setattr(config, name, 0)
-    return config
+
+
+def _shrink_layer_types(config) -> None:
+    """A per-layer list of layer kinds must match the layer count; a hybrid keeps one layer of each kind (its
+    first ones would often all be linear attention, leaving nothing to convert)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    types = getattr(config, "layer_types", None)
+    if not (isinstance(types, list) and isinstance(layers, int)):
+        return
+    kinds = list(dict.fromkeys(types))
+    keep = kinds if len(kinds) > 1 else types[:layers]
+    try:
+        config.layer_types = keep
+        if len(keep) != layers:
+            config.num_hidden_layers = len(keep)
+    except AttributeError:  # derived from other fields (a property without a setter)
+        pass
 
 
 def _build(model_type: str, **overrides):
@@ -124,7 +161,8 @@ def _inputs(model, config) -> dict:
         frames = 2 * getattr(config, "max_source_positions", 64)
         feats = torch.randn(2, getattr(config, "num_mel_bins", 80), frames, generator=gen, dtype=torch.float64)
         return {"input_features": feats, "decoder_input_ids": torch.randint(0, 100, (2, 6), generator=gen)}
-    ids = torch.randint(3, min(100, config.vocab_size), (2, 7), generator=gen)
+    vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size  # composite: its text model's
+    ids = torch.randint(3, min(100, vocab), (2, 7), generator=gen)
     out = {"input_ids": ids}
     if getattr(config, "is_encoder_decoder", False):
         out["decoder_input_ids"] = ids[:, :5]
@@ -263,7 +301,11 @@ def check_type(model_type: str, **overrides) -> dict:
         return row
     row["class"] = type(model).__name__
     matched = _find(model)
-    found = [(n, m, a.projections(m)) for n, m, a in matched]
+    try:
+        found = [(n, m, a.projections(m)) for n, m, a in matched]
+    except StiefelizeError as err:  # an adapter matched and found the weights in a shape it cannot read
+        row.update(status="refused", reason=str(err), adapters=sorted({a.name for _, _, a in matched}))
+        return row
     row["adapters"] = sorted({a.name for _, _, a in matched})
     if not found:
         row.update(status="refused", reason=why_not(model))

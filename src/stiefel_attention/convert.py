@@ -248,7 +248,8 @@ def _separate(q_name: str, k_name: str) -> Adapter:
         if q.out_features != H * r or k.out_features != Hkv * r:
             raise StiefelizeError(
                 f"{type(m).__name__}: {q_name} has {q.out_features} and {k_name} {k.out_features} outputs, not "
-                f"whole heads of {r}"
+                f"{H} query heads and whole key heads of {r}: a layout no adapter knows (e.g. a gate per head "
+                f"beside the queries); register one with register_adapter"
             )
         return [Projection(q, "weight", True, (("q", H),), r), Projection(k, "weight", True, (("k", Hkv),), r)]
 
