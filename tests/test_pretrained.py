@@ -56,6 +56,8 @@ def test_smoke_experiment_shares_one_checkpoint_per_model_and_records_the_conver
     summary = json.loads((out / "main" / "summary.json").read_text())
     assert summary["plots"] == ["curves.png"] and (out / "main" / "curves.png").stat().st_size > 0
     assert {(c["arm"], c["baseline"]) for c in summary["comparisons"]} >= {("nearest", "adamw")}
+    rows = P.FAMILY.claim_rows("main", summary, "link", "smoke")  # as REPORT reads it back: one seed, no CI
+    assert len(rows) == len(P.MODELS) and all("untested" in row[4] for row in rows)
     # the same command again runs nothing and pretrains nothing
     stamps = [p.stat().st_mtime_ns for p in made]
     capsys.readouterr()

@@ -27,7 +27,7 @@ from ..metrics import attention_metrics
 from ..nn import qk_clip, qk_matrices, reset_logit_stats
 from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
 from .family import Family
-from .grok_interventions import INTERVENTION_KEYS, intervention_tag
+from .grok_interventions import INTERVENTION_KEYS, PROTOCOL_SEEDS, intervention_tag
 from .grok_report import GROK_THRESHOLD, SLINGSHOT_OPS, claim_rows, write_grok_report
 from .models import ModularTransformer
 from .modular import modular_task
@@ -73,7 +73,7 @@ ARMS = ("adamw", "stiefel-adam")
 CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "frozen", "qk-norm", "muon", "stiefel-adam-temp")
 DECAY_VALUES = (0.1, 0.3)  # weight decay of the `decay` experiment; 1.0 is the study's
 EXPERIMENTS = ("single", "study", "slingshot", "controls", "decay", "interventions")
-DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5, "interventions": 5}
+DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5, "interventions": PROTOCOL_SEEDS}
 STUDY_OPS = ("+", "-")
 
 

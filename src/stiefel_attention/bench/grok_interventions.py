@@ -18,6 +18,8 @@ from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
 from .geometry import Measure, compare, significant
 from .stats import describe
 
+PROTOCOL_SEEDS = 5  # paired seeds of the interventions experiment (grok.DEFAULT_SEEDS takes it from here)
+
 __all__ = [
     "INTERVENTION_KEYS",
     "intervention_tag",
@@ -85,8 +87,10 @@ def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
     a, s = _standing(vs_adamw), _standing(vs_stiefel)
     if a is None or s is None:
         return "not yet testable (fewer than 2 paired seeds)"
-    if a <= 0:
-        return f"does not help AdamW (no significant gain over adamw{_on(vs_adamw)})"
+    if a == 0:
+        return f"no significant gain over adamw ({fmt_seeds(vs_adamw['n_seeds'])}{_on(vs_adamw)})"
+    if a < 0:
+        return f"hurts AdamW (significantly behind adamw{_on(vs_adamw)})"
     if s == 0:
         return f"reproduces the frames' result (better than adamw, level with stiefel-adam{_on(vs_stiefel)})"
     if s < 0:
@@ -99,8 +103,10 @@ def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
     s, a = _standing(vs_stiefel), _standing(vs_adamw)
     if s is None or a is None:
         return "not yet testable (fewer than 2 paired seeds)"
-    if s >= 0:
-        return f"does not hurt the frames (no significant loss against stiefel-adam{_on(vs_stiefel)})"
+    if s == 0:
+        return f"no significant loss against stiefel-adam ({fmt_seeds(vs_stiefel['n_seeds'])}{_on(vs_stiefel)})"
+    if s > 0:
+        return f"helps the frames (significantly ahead of stiefel-adam{_on(vs_stiefel)})"
     if a == 0:
         return f"removes the frames' advantage (behind stiefel-adam, level with adamw{_on(vs_adamw)})"
     if a > 0:
@@ -108,9 +114,10 @@ def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
     return "makes the frames worse than adamw"
 
 
-def interventions_summary(records: list[dict], measure: Measure, fallback: Measure) -> dict:
+def interventions_summary(records: list[dict], measure: Measure, fallback: Measure, seeds: int = 1) -> dict:
     """Per operation: each variant's outcomes and mechanism, its paired comparisons with both plain arms, and
-    a verdict; then the verdicts of the experiment."""
+    a verdict; then the verdicts of the experiment. `seeds`: the protocol's paired seeds, which every comparison
+    needs before the experiment's conclusions are drawn (each variant's own verdict needs 2)."""
     by_op: dict[str, list[dict]] = defaultdict(list)
     for rec in records:
         by_op[rec["config"]["op"]].append(rec)
@@ -161,8 +168,15 @@ def interventions_summary(records: list[dict], measure: Measure, fallback: Measu
             else:
                 variants[label]["verdict"] = _verdict_raise(pair.get("stiefel-adam"), pair.get("adamw"))
         out["ops"][op] = {"variants": variants, "comparisons": comparisons}
-    out["verdicts"] = _experiment_verdicts(out["ops"])
-    out["mechanism_verdict"] = _mechanism_verdict(out["ops"].get("+", {}).get("variants", {}))
+    fewest = min((c["n_seeds"] for op in out["ops"].values() for c in op["comparisons"]), default=0)
+    out["protocol_seeds"], out["fewest_paired_seeds"] = seeds, fewest
+    out["verdicts"] = _experiment_verdicts(out["ops"], complete=fewest >= seeds)
+    plus = out["ops"].get("+", {}).get("variants", {})
+    out["mechanism_verdict"] = (
+        _mechanism_verdict(plus)
+        if fewest >= seeds
+        else f"not yet measured with the protocol's {seeds} paired seeds (fewest so far: {fewest})"
+    )
     return out
 
 
@@ -199,20 +213,27 @@ def _mechanism_verdict(variants: dict) -> str:
     )
 
 
-def _experiment_verdicts(ops: dict) -> list[str]:
-    """Sentences from the variants' verdicts: bounding AdamW's logits, raising the frames', uniform attention."""
+def _experiment_verdicts(ops: dict, complete: bool = True) -> list[str]:
+    """Sentences from the variants' verdicts: bounding AdamW's logits, raising the frames', uniform attention.
+    A conclusion that rests on the absence of an effect waits for every comparison to have the protocol's seeds
+    (complete); an effect found with fewer seeds is reported as found."""
     plus = ops.get("+", {}).get("variants", {})
     lines = []
+    wait = "not yet testable: too few paired seeds so far"
     bounds = {k: v for k, v in plus.items() if v["arm"] == "adamw" and v["intervention"]}
     if bounds:
-        helped = [k for k, v in bounds.items() if v["verdict"].startswith(("reproduces", "helps", "better"))]
+        same = [k for k, v in bounds.items() if v["verdict"].startswith(("reproduces", "better"))]
+        helped = [k for k, v in bounds.items() if v["verdict"].startswith("helps")]
+        if same:
+            conclusion = f"reproduces the frames' grokking with {', '.join(same)}"
+        elif helped:
+            conclusion = f"helps AdamW grok ({', '.join(helped)}) without reaching the frames"
+        else:
+            conclusion = "does not reproduce the frames' grokking" if complete else wait
         lines.append(
             "Bounding AdamW's logits (a+b): "
             + "; ".join(f"{k}: {v['verdict']} ({v['grokked']}/{v['n']} grok)" for k, v in bounds.items())
-            + (
-                f". So bounding the logits alone {'reproduces' if helped else 'does not reproduce'} the frames' "
-                f"grokking{' with ' + ', '.join(helped) if helped else ''}."
-            )
+            + f". So bounding the logits alone: {conclusion}."
         )
     raises = {
         k: v for k, v in plus.items() if v["arm"] == "stiefel-adam" and v["intervention"].get("logit_scale", 0) > 0
@@ -223,11 +244,13 @@ def _experiment_verdicts(ops: dict) -> list[str]:
             for k, v in raises.items()
             if v["verdict"].startswith(("removes", "hurts", "makes"))
         )
+        largest = max(v["intervention"]["logit_scale"] for v in raises.values())
         switch = (
             f"the smallest scale that does is {slowed[0][0]:g}"
             if slowed
-            else f"none of the scales tried (up to {max(v['intervention']['logit_scale'] for v in raises.values()):g})"
-            " does"
+            else f"none of the scales tried (up to {largest:g}) does"
+            if complete
+            else wait
         )
         lines.append(
             "Raising the frames' logit scale (a+b): "

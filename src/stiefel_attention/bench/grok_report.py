@@ -22,6 +22,9 @@ from .geometry import (
     time_to,
 )
 from .grok_interventions import (
+    PROTOCOL_SEEDS as INTERVENTION_SEEDS,
+)
+from .grok_interventions import (
     interventions_markdown,
     interventions_summary,
     mechanism_points,
@@ -115,7 +118,8 @@ def grok_summary(experiment: str, records: list[dict], context: list[dict] | Non
     elif experiment == "decay":
         summary["decay"] = decay_summary(records, EPOCHS_TO_GROK)
     elif experiment == "interventions":
-        summary["interventions"] = interventions_summary(records, EPOCHS_TO_GROK, FINAL_VAL_ACC)
+        seeds = INTERVENTION_SEEDS if records[0]["config"]["profile"] != "smoke" else min(2, INTERVENTION_SEEDS)
+        summary["interventions"] = interventions_summary(records, EPOCHS_TO_GROK, FINAL_VAL_ACC, seeds)
         known = {r["key"] for r in records}
         others = [r for r in context or [] if r["key"] not in known]
         summary["mechanism_points"] = mechanism_points(records + others, EPOCHS_TO_GROK)

@@ -402,7 +402,7 @@ def _median(values: list) -> float | None:
 def significance(c: dict) -> str:
     """'lower' / 'higher' (arm's final loss vs the baseline's) where the paired 95% CI excludes 0, else 'level'."""
     lo, hi = c["ci95"]
-    if math.isnan(lo):
+    if lo is None or hi is None or math.isnan(lo):  # fewer than 2 seeds (NaN; null once read back from JSON)
         return "untested"
     return "lower" if hi < 0 else "higher" if lo > 0 else "level"
 
