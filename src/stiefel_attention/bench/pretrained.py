@@ -417,12 +417,19 @@ def verdict(summary: dict, model: str) -> str:
     best = min(frame_arms, key=lambda a: rows[a]["converted_val_loss"]["mean"])
     cost = rows[best]["converted_val_loss"]["mean"] - rows[best]["pretrained_val_loss"]["mean"]
     parts = [f"the conversion closest to the checkpoint is {best} (+{cost:.3f} nats)"]
-    ends = []
-    for arm in frame_arms:
-        c = comps.get((arm, "adamw"))
-        if c:
-            ends.append(f"{arm} {significance(c)}" if significance(c) != "untested" else f"{arm} untested")
+    back = [a for a in frame_arms if rows[a]["recovered"]]
+    parts.append(
+        "no conversion is back at the checkpoint's loss within the budget"
+        if not back
+        else "back at the checkpoint's loss within the budget: "
+        + ", ".join(f"{a} ({rows[a]['recovered']}/{rows[a]['n']})" for a in back)
+    )
+    ends = [f"{a} {significance(comps[(a, 'adamw')])}" for a in frame_arms if (a, "adamw") in comps]
     parts.append("final loss vs continuing with AdamW: " + ", ".join(ends))
+    finals = {a: comps[(a, "adamw")]["mean_diff"] for a in frame_arms if (a, "adamw") in comps}
+    if finals:
+        best_end = min(finals, key=finals.get)
+        parts.append(f"the conversion that ends closest to AdamW is {best_end} ({finals[best_end]:+.3f} nats)")
     return "; ".join(parts)
 
 
