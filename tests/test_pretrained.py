@@ -88,5 +88,5 @@ def test_a_damaged_checkpoint_is_made_again(tmp_path, text, capsys):
 
 def test_without_transformers_the_family_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(UserError, match=r"pip install -e '\.\[bench,hf\]'"):
+    with pytest.raises(UserError, match=r"pip install -e '\.\[bench\]' \(which includes transformers\)"):
         P._transformers()

@@ -95,7 +95,7 @@ def _transformers():
         import transformers
     except ImportError as err:
         raise UserError(
-            "the pretrained family trains transformers models: pip install -e '.[bench,hf]' (transformers)"
+            "the pretrained family trains transformers models: pip install -e '.[bench]' (which includes transformers)"
         ) from err
     transformers.logging.set_verbosity_error()
     return transformers
