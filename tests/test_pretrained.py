@@ -41,7 +41,7 @@ def test_smoke_experiment_shares_one_checkpoint_per_model_and_records_the_conver
     assert [p.name.split("-")[0] for p in made] == sorted(P.MODELS)
     for model in P.MODELS:
         mine = {r["config"]["arm"]: r for r in recs if r["config"]["model"] == model}
-        assert len({r["checkpoint"]["sha256"] for r in mine.values()}) == 1
+        assert len({r["checkpoint"]["weights_sha256"] for r in mine.values()}) == 1
         assert len({r["metrics"]["pretrained_val_loss"] for r in mine.values()}) == 1
         plain = mine["adamw"]["metrics"]
         assert plain["converted_val_loss"] == plain["pretrained_val_loss"] and plain["steps_to_recover"] == 0
@@ -84,6 +84,9 @@ def test_a_damaged_checkpoint_is_made_again(tmp_path, text, capsys):
     assert again == path and "remaking" in capsys.readouterr().out
     remade = torch.load(path, weights_only=True)["state_dict"]
     assert all(torch.equal(state[k], remade[k]) for k in state)  # pretraining is deterministic
+    assert P.weights_sha256(state) == P.weights_sha256(remade)  # the weights' id, unlike the file's (its timing)
+    remade[next(iter(remade))].view(-1)[0] += 1
+    assert P.weights_sha256(state) != P.weights_sha256(remade)
 
 
 def test_without_transformers_the_family_says_what_to_install(monkeypatch):

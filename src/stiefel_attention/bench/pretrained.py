@@ -211,6 +211,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def weights_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of a state dict's names, dtypes, shapes and values: the same for the same weights, wherever and
+    whenever they were pretrained (the file's own hash also covers the recorded pretraining time)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def checkpoint(recipe: dict, corpus, folder: Path, device: torch.device) -> tuple[Path, dict]:
     """The checkpoint of a recipe on this text: (path, its info), pretraining it first if it is not there yet."""
     tag = hashlib.sha256(json.dumps({**recipe, "data": corpus.sha256}, sort_keys=True).encode()).hexdigest()[:12]
@@ -256,7 +267,8 @@ def run(
     path, info = checkpoint(cfg["pretrain"], corpus, Path(checkpoints or default_checkpoints()), device)
     torch.manual_seed(cfg["seed"])  # orthonormal frames are drawn from it
     model = build_model(cfg["model"], cfg["pretrain"], corpus.vocab_size)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    model.load_state_dict(state)
     model.to(device).eval()
     x_eval, y_eval = (t.to(device) for t in fixed_windows(corpus.val, cfg["n_eval"], cfg["context"], seed=0))
     pretrained_loss = _loss(model, x_eval, y_eval)
@@ -308,7 +320,12 @@ def run(
     return {
         "data_source": corpus.source,
         "data_sha256": corpus.sha256,
-        "checkpoint": {"file": path.name, "sha256": _sha256(path), "pretrain_s": info["train_s"]},
+        "checkpoint": {
+            "file": path.name,
+            "sha256": _sha256(path),
+            "weights_sha256": weights_sha256(state),
+            "pretrain_s": info["train_s"],
+        },
         "metrics": {
             "pretrained_val_loss": pretrained_loss,
             "converted_val_loss": converted_loss,
@@ -356,7 +373,7 @@ def summarize(records: list[dict]) -> dict:
     for (model, arm), recs in sorted(by.items(), key=lambda kv: (kv[0][0], list(ARMS).index(kv[0][1]))):
         ms = [r["metrics"] for r in recs.values()]
         for r in recs.values():
-            checkpoints[model].add(r["checkpoint"]["sha256"])
+            checkpoints[model].add(_checkpoint_id(r))
         steps = [m["steps_to_recover"] for m in ms]
         rows.append(
             {
@@ -389,6 +406,12 @@ def summarize(records: list[dict]) -> dict:
         "checkpoints": {m: sorted(v) for m, v in checkpoints.items()},
         "recovery_tolerance": RECOVERY_TOLERANCE,
     }
+
+
+def _checkpoint_id(record: dict) -> str:
+    """The weights' sha256 ("weights ..."); records made before it was recorded name their file's ("file ...")."""
+    c = record["checkpoint"]
+    return f"weights {c['weights_sha256'][:12]}" if "weights_sha256" in c else f"file {c['sha256'][:12]}"
 
 
 def _finals(a: dict, b: dict) -> tuple:
@@ -437,8 +460,8 @@ def markdown(s: dict, profile: str) -> str:
     lines = [
         f"# Pretrained models converted to frames — `main`, profile `{profile}`",
         "",
-        f"{fmt_runs(s)}. Each model is pretrained once with AdamW (checkpoint sha256 per model: "
-        + ", ".join(f"{m} {', '.join(h[:12] for h in v)}" for m, v in s["checkpoints"].items())
+        f"{fmt_runs(s)}. Each model is pretrained once with AdamW (its checkpoint's sha256 per model: "
+        + ", ".join(f"{m} {', '.join(v)}" for m, v in s["checkpoints"].items())
         + "); every arm fine-tunes that checkpoint on the same windows per seed. Losses in nats per character on "
         "fixed validation windows. Recovered: back within "
         f"{s['recovery_tolerance']:g} of the checkpoint's loss at an evaluation of the budget.",
