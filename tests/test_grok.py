@@ -437,6 +437,10 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
     assert two["ops"]["+"]["variants"]["adamw+softcap8"]["verdict"].startswith("no significant gain over adamw (2")
     assert "So bounding the logits alone: not yet testable" in " ".join(two["verdicts"])
     assert two["mechanism_verdict"] == "not yet measured with the protocol's 5 paired seeds (fewest so far: 2)"
+    early = interventions_summary([r for r in recs if r["config"]["seed"] < 3], EPOCHS_TO_GROK, FINAL_VAL_ACC, 5)
+    assert early["ops"]["+"]["variants"]["adamw+clip2"]["verdict"].startswith("reproduces the frames' result")
+    assert "3 seeds" in early["ops"]["+"]["variants"]["adamw+clip2"]["verdict"]
+    assert "So bounding the logits alone: not yet testable" in " ".join(early["verdicts"])  # an effect waits too
     done = interventions_summary([r for r in recs if "qk_clip" not in r["config"]], EPOCHS_TO_GROK, FINAL_VAL_ACC, 5)
     assert "So bounding the logits alone: does not reproduce the frames' grokking." in " ".join(done["verdicts"])
 

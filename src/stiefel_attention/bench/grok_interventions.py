@@ -87,15 +87,16 @@ def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
     a, s = _standing(vs_adamw), _standing(vs_stiefel)
     if a is None or s is None:
         return "not yet testable (fewer than 2 paired seeds)"
+    n = fmt_seeds(min(vs_adamw["n_seeds"], vs_stiefel["n_seeds"]))
     if a == 0:
-        return f"no significant gain over adamw ({fmt_seeds(vs_adamw['n_seeds'])}{_on(vs_adamw)})"
+        return f"no significant gain over adamw ({n}{_on(vs_adamw)})"
     if a < 0:
-        return f"hurts AdamW (significantly behind adamw{_on(vs_adamw)})"
+        return f"hurts AdamW (significantly behind adamw, {n}{_on(vs_adamw)})"
     if s == 0:
-        return f"reproduces the frames' result (better than adamw, level with stiefel-adam{_on(vs_stiefel)})"
+        return f"reproduces the frames' result (better than adamw, level with stiefel-adam, {n}{_on(vs_stiefel)})"
     if s < 0:
-        return f"helps AdamW, but stays behind stiefel-adam{_on(vs_stiefel)}"
-    return "better than both adamw and stiefel-adam"
+        return f"helps AdamW, but stays behind stiefel-adam ({n}{_on(vs_stiefel)})"
+    return f"better than both adamw and stiefel-adam ({n})"
 
 
 def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
@@ -103,15 +104,16 @@ def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
     s, a = _standing(vs_stiefel), _standing(vs_adamw)
     if s is None or a is None:
         return "not yet testable (fewer than 2 paired seeds)"
+    n = fmt_seeds(min(vs_adamw["n_seeds"], vs_stiefel["n_seeds"]))
     if s == 0:
-        return f"no significant loss against stiefel-adam ({fmt_seeds(vs_stiefel['n_seeds'])}{_on(vs_stiefel)})"
+        return f"no significant loss against stiefel-adam ({n}{_on(vs_stiefel)})"
     if s > 0:
-        return f"helps the frames (significantly ahead of stiefel-adam{_on(vs_stiefel)})"
+        return f"helps the frames (significantly ahead of stiefel-adam, {n}{_on(vs_stiefel)})"
     if a == 0:
-        return f"removes the frames' advantage (behind stiefel-adam, level with adamw{_on(vs_adamw)})"
+        return f"removes the frames' advantage (behind stiefel-adam, level with adamw, {n}{_on(vs_adamw)})"
     if a > 0:
-        return "hurts the frames, which stay ahead of adamw"
-    return "makes the frames worse than adamw"
+        return f"hurts the frames, which stay ahead of adamw ({n})"
+    return f"makes the frames worse than adamw ({n})"
 
 
 def interventions_summary(records: list[dict], measure: Measure, fallback: Measure, seeds: int = 1) -> dict:
@@ -215,8 +217,8 @@ def _mechanism_verdict(variants: dict) -> str:
 
 def _experiment_verdicts(ops: dict, complete: bool = True) -> list[str]:
     """Sentences from the variants' verdicts: bounding AdamW's logits, raising the frames', uniform attention.
-    A conclusion that rests on the absence of an effect waits for every comparison to have the protocol's seeds
-    (complete); an effect found with fewer seeds is reported as found."""
+    Each variant's verdict is given with its seeds; the conclusions wait for every comparison to have the
+    protocol's seeds (complete): with 2 or 3 pairs a t-interval can exclude 0 by chance of the spread."""
     plus = ops.get("+", {}).get("variants", {})
     lines = []
     wait = "not yet testable: too few paired seeds so far"
@@ -224,12 +226,14 @@ def _experiment_verdicts(ops: dict, complete: bool = True) -> list[str]:
     if bounds:
         same = [k for k, v in bounds.items() if v["verdict"].startswith(("reproduces", "better"))]
         helped = [k for k, v in bounds.items() if v["verdict"].startswith("helps")]
-        if same:
+        if not complete:
+            conclusion = wait
+        elif same:
             conclusion = f"reproduces the frames' grokking with {', '.join(same)}"
         elif helped:
             conclusion = f"helps AdamW grok ({', '.join(helped)}) without reaching the frames"
         else:
-            conclusion = "does not reproduce the frames' grokking" if complete else wait
+            conclusion = "does not reproduce the frames' grokking"
         lines.append(
             "Bounding AdamW's logits (a+b): "
             + "; ".join(f"{k}: {v['verdict']} ({v['grokked']}/{v['n']} grok)" for k, v in bounds.items())
@@ -246,11 +250,11 @@ def _experiment_verdicts(ops: dict, complete: bool = True) -> list[str]:
         )
         largest = max(v["intervention"]["logit_scale"] for v in raises.values())
         switch = (
-            f"the smallest scale that does is {slowed[0][0]:g}"
+            wait
+            if not complete
+            else f"the smallest scale that does is {slowed[0][0]:g}"
             if slowed
             else f"none of the scales tried (up to {largest:g}) does"
-            if complete
-            else wait
         )
         lines.append(
             "Raising the frames' logit scale (a+b): "
