@@ -498,23 +498,43 @@ def markdown(s: dict, profile: str) -> str:
 
 
 def curves_plot(records: list[dict], out_dir: Path, made: list[str]) -> None:
+    """Top: each arm's validation loss (mean over seeds) with the checkpoint's. Bottom: each conversion's gap to
+    the adamw arm, paired by seed (mean and the range over seeds), where the last steps can be read."""
     import matplotlib.pyplot as plt
 
     models = [m for m in MODELS if any(r["config"]["model"] == m for r in records)]
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        recs = [r for r in records if r["config"]["model"] == model]
-        for i, arm in enumerate(a for a in ARMS if any(r["config"]["arm"] == a for r in recs)):
-            mine = [r for r in recs if r["config"]["arm"] == arm and r["metrics"]["diverged_at_step"] is None]
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
+        top, bottom = axes[0][col], axes[1][col]
+        recs = [r for r in records if r["config"]["model"] == model and r["metrics"]["diverged_at_step"] is None]
+        by_arm = {a: {r["config"]["seed"]: r for r in recs if r["config"]["arm"] == a} for a in ARMS}
+        base = by_arm["adamw"]
+        for i, (arm, mine) in enumerate(by_arm.items()):
             if not mine:
                 continue
-            steps = mine[0]["curves"]["step"]
-            mean = [sum(r["curves"]["val_loss"][j] for r in mine) / len(mine) for j in range(len(steps))]
-            ax.plot(steps, mean, color=f"C{i}", label=f"{arm} ({fmt_seeds(len(mine))})")
-        ax.axhline(recs[0]["metrics"]["pretrained_val_loss"], color="k", ls="--", lw=0.8, label="checkpoint")
-        ax.set_yscale("log")
-        ax.set(title=model, xlabel="fine-tuning step", ylabel="validation loss (nats/char, mean over seeds)")
-        ax.legend(fontsize=8)
+            steps = next(iter(mine.values()))["curves"]["step"]
+            curves = [r["curves"]["val_loss"] for r in mine.values()]
+            mean = [sum(c[j] for c in curves) / len(curves) for j in range(len(steps))]
+            top.plot(steps, mean, color=f"C{i}", label=f"{arm} ({fmt_seeds(len(curves))})")
+            paired = [s for s in mine if s in base]
+            if arm == "adamw" or not paired:
+                continue
+            gaps = [
+                [a - b for a, b in zip(mine[s]["curves"]["val_loss"], base[s]["curves"]["val_loss"])] for s in paired
+            ]
+            mean = [sum(g[j] for g in gaps) / len(gaps) for j in range(len(steps))]
+            bottom.plot(steps, mean, color=f"C{i}", label=arm)
+            low = [min(g[j] for g in gaps) for j in range(len(steps))]
+            high = [max(g[j] for g in gaps) for j in range(len(steps))]
+            bottom.fill_between(steps, low, high, color=f"C{i}", alpha=0.15)
+        top.axhline(recs[0]["metrics"]["pretrained_val_loss"], color="k", ls="--", lw=0.8, label="checkpoint")
+        top.set_yscale("log")
+        top.set(title=model, xlabel="fine-tuning step", ylabel="validation loss (nats/char, mean over seeds)")
+        top.legend(fontsize=8)
+        bottom.axhline(0.0, color="k", lw=0.8)
+        bottom.set_yscale("symlog", linthresh=0.01)
+        bottom.set(xlabel="fine-tuning step", ylabel="loss − adamw's, same seed (nats/char; band: range)")
+        bottom.legend(fontsize=8)
     save_figure(fig, out_dir, "curves.png", made)
 
 
