@@ -765,3 +765,25 @@ def test_calibration_refusals_leave_the_model_unconverted():
         stiefelize(mha, init="nearest", temperature=True, calibrate=lambda m: m(*[torch.randn(1, 3, 32)] * 3))
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in [*model.modules(), mha])
     assert not any(m._forward_pre_hooks for m in model.modules())  # the capture hooks are gone
+
+
+@needs_transformers
+def test_deberta_in_proj_frames_are_the_heads_its_own_code_reads():
+    """DeBERTa splits in_proj's output head by head into q, k, v (its transpose_for_scores, then chunk): the
+    frames must be those heads, checked with the model's own method, not with our layout code."""
+    torch.manual_seed(0)
+    config = T.DebertaConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **SMALL)
+    model = T.DebertaModel(config).double().eval()
+    stiefelize(model, init="orthonormal")
+    attn = model.encoder.layer[0].attention.self
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        q, k, _ = attn.transpose_for_scores(attn.in_proj(x)).chunk(3, dim=-1)  # (B, H, N, r) each
+    plist = attn.in_proj.parametrizations.weight
+    frames_q, frames_k = plist.original0.detach(), plist.original1.detach()  # (H, D, r)
+    torch.testing.assert_close(q, torch.einsum("bnd,hdr->bhnr", x, frames_q))
+    torch.testing.assert_close(k, torch.einsum("bnd,hdr->bhnr", x, frames_k))
+    ids = {"input_ids": torch.randint(0, 50, (2, 7))}
+    before = model(**ids).last_hidden_state
+    again = stiefelize(unstiefelize(copy.deepcopy(model)), init="nearest")
+    torch.testing.assert_close(again(**ids).last_hidden_state, before)

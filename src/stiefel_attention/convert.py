@@ -9,10 +9,10 @@ frame originals, so `StiefelAdam(param_groups(model, ...))` trains them; biases 
 
 Supported out of the box, one small adapter per layout of the weights rather than per model: separate
 nn.Linear projections named q_proj/k_proj (Llama, Qwen, Mistral, Gemma, OPT, Phi and their kin; grouped- and
-multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeBERTa), q/k (T5), q_lin/k_lin,
+multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeBERTa-v2), q/k (T5), q_lin/k_lin,
 Wq/Wk, project_q/project_k; fused q | k | v weights: GPT-2's Conv1D c_attn, nn.Linear c_attn (nanoGPT,
 GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v grouped per key-value head in
-query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon); torch's `nn.MultiheadAttention` (packed
+query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); torch's `nn.MultiheadAttention` (packed
 `in_proj_weight`; also inside `nn.TransformerEncoderLayer`). The heads are read from the module (num_heads,
 num_attention_heads, n_heads, n_head, or its config) and the key heads from the key weight itself.
 `docs/zoo.md` (tools/zoo.py) lists every transformers model type with what happens to it. Register another
@@ -328,6 +328,15 @@ for _adapter in (
         rows=True,
         label="fused nn.Linear query_key_value, grouped per key-value head (GPT-NeoX, Bloom, Persimmon, Falcon)",
         needs=_linear("query_key_value"),
+        interleaved=True,
+    ),
+    _fused(
+        "in_proj",
+        rows=True,
+        label="fused nn.Linear in_proj, q, k, v side by side per head (DeBERTa)",
+        # DeBERTa's disentangled attention: its query and value biases, kept apart, mark the layout (the
+        # in_proj of a state-space block, Mamba-2's say, has none)
+        needs=lambda m: _linear("in_proj")(m) and isinstance(getattr(m, "q_bias", None), nn.Parameter),
         interleaved=True,
     ),
     _separate("q_proj", "k_proj"),
