@@ -31,7 +31,7 @@ except ImportError:  # Windows
 
 from .records import Cell
 
-__all__ = ["Claims", "CLAIMS_DIR"]
+__all__ = ["Claims", "CLAIMS_DIR", "exclusive"]
 
 CLAIMS_DIR = ".claims"
 
@@ -43,6 +43,21 @@ def _lock(fd: int, block: bool) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def exclusive(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive flock on path (created if missing) while the block runs; other processes wait.
+    Without fcntl (Windows) nothing is locked."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        _lock(fd, block=True)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 class Claims:
@@ -66,12 +81,8 @@ class Claims:
             yield
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "folder.lock", os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            _lock(fd, block=True)
+        with exclusive(self.dir / "folder.lock"):
             yield
-        finally:
-            os.close(fd)  # closing releases the lock
 
     def claim(self, cell: Cell, about: dict) -> bool:
         """Claim cell for this process; False if a live process holds it."""

@@ -24,7 +24,6 @@ loss, and the final loss. Fine-tuning rates were fixed before any run, not tuned
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -46,6 +45,7 @@ from .errors import UserError
 from .family import Family, check_data
 from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, save_figure
 from .lm import cached_text
+from .lock import exclusive
 from .records import Cell
 from .report import write_experiment
 from .stats import describe, paired_comparison
@@ -187,22 +187,6 @@ def _train_step(model, opt, sched, xb, yb) -> float:
     return value
 
 
-@contextlib.contextmanager
-def _exclusive(path: Path):
-    """Hold an exclusive flock on path while the block runs (concurrent runs wait for one pretraining)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock; two first runs at once would both pretrain, with equal results
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -227,7 +211,7 @@ def checkpoint(recipe: dict, corpus, folder: Path, device: torch.device) -> tupl
     tag = hashlib.sha256(json.dumps({**recipe, "data": corpus.sha256}, sort_keys=True).encode()).hexdigest()[:12]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{recipe['model']}-{tag}.pt"
-    with _exclusive(folder / f"{path.name}.lock"):
+    with exclusive(folder / f"{path.name}.lock"):  # concurrent runs wait for one pretraining
         if path.exists():
             try:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
