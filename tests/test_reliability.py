@@ -494,3 +494,12 @@ def test_cells_are_claimed_one_at_a_time_so_a_second_command_can_take_the_rest(t
         for proc in other:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_the_heartbeat_of_a_long_run_counts_in_its_familys_unit(capsys):
+    from stiefel_attention.bench.family import get_family
+    from stiefel_attention.bench.runner import Heartbeat
+
+    assert get_family("grok").progress_unit == "epoch" and get_family("lm").progress_unit == "step"
+    Heartbeat("lm-cell", 60.0, get_family("lm").progress_unit)(600, 600)  # the last call always prints
+    assert capsys.readouterr().err.strip() == "lm-cell: step 600/600"

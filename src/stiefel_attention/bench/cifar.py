@@ -438,6 +438,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
 
 class CifarFamily(Family):
     name = "cifar"
+    progress_unit = "epoch"
     title = "CIFAR-10 patches (PatchViT)"
     help = "CIFAR-10 patch benchmark experiments (paired seeds)"
     profiles = PROFILES

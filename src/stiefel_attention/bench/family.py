@@ -49,6 +49,7 @@ class Family:
     profiles: dict[str, dict]  # model/training sizes: at least "smoke", "cpu", "paper"
     experiments: tuple[str, ...]  # named experiments, each a set of cells
     claimed: tuple[str, ...] = ()  # experiments whose summaries carry paper claims (REPORT.md lists them)
+    progress_unit: str = "step"  # what run(progress=...) counts, for the heartbeat line of a long run
     reproduce_order: tuple[str, ...] = ()  # experiments `reproduce` runs, in this order (default: all)
     controls_experiment: str | None = None  # its experiment with every arm (REPORT: "When does the geometry dominate?")
     decay_experiment: str | None = None  # its stiefel-adam vs adamw lead against weight decay, if it has one

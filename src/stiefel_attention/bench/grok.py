@@ -342,6 +342,7 @@ def find_collapses(
 
 class GrokFamily(Family):
     name = "grok"
+    progress_unit = "epoch"
     title = "modular addition (grokking)"
     help = "modular-arithmetic grokking experiments"
     profiles = PROFILES

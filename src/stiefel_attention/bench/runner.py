@@ -46,15 +46,15 @@ class Heartbeat:
     that it is alive and how far it got.
     """
 
-    def __init__(self, name: str, every_s: float):
-        self.name, self.every_s = name, every_s
+    def __init__(self, name: str, every_s: float, unit: str = "step"):
+        self.name, self.every_s, self.unit = name, every_s, unit
         self.last = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
         if now - self.last >= self.every_s or done == total:
             self.last = now
-            print(f"  {self.name}: epoch {done}/{total}", file=sys.stderr, flush=True)
+            print(f"  {self.name}: {self.unit} {done}/{total}", file=sys.stderr, flush=True)
 
 
 def host() -> dict:
@@ -87,7 +87,7 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     options = dict(cell.options)
     heartbeat_s = options.pop("heartbeat_s", None)
     if heartbeat_s:
-        options["progress"] = Heartbeat(cell.name, heartbeat_s)
+        options["progress"] = Heartbeat(cell.name, heartbeat_s, family.progress_unit)
     try:
         result = family.run(cell.config, **options)
     finally:
