@@ -761,7 +761,7 @@ def test_calibration_refusals_leave_the_model_unconverted():
     with pytest.raises(StiefelizeError, match=r"did not run 1: Linear; nothing was converted"):
         stiefelize(model, init="nearest", temperature=True, calibrate=lambda m: m[0](torch.randn(1, 3, 32)))
     mha = nn.MultiheadAttention(32, 4, batch_first=True)
-    with pytest.raises(StiefelizeError, match="in_proj_weight is applied to several"):
+    with pytest.raises(StiefelizeError, match="in_proj_weight is not applied that way"):
         stiefelize(mha, init="nearest", temperature=True, calibrate=lambda m: m(*[torch.randn(1, 3, 32)] * 3))
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in [*model.modules(), mha])
     assert not any(m._forward_pre_hooks for m in model.modules())  # the capture hooks are gone
@@ -787,3 +787,26 @@ def test_deberta_in_proj_frames_are_the_heads_its_own_code_reads():
     before = model(**ids).last_hidden_state
     again = stiefelize(unstiefelize(copy.deepcopy(model)), init="nearest")
     torch.testing.assert_close(again(**ids).last_hidden_state, before)
+
+
+@needs_transformers
+def test_xlnet_per_head_parameters_become_frames_at_the_heads_its_own_code_reads():
+    """XLNet keeps W_Q, W_K as (d, heads, head_dim) parameters and applies them itself (q_head = einsum
+    'ibh,hnd->ibnd'): head n reads q[:, n, :], which must be frame n."""
+    torch.manual_seed(0)
+    config = T.XLNetConfig(d_model=32, n_layer=2, n_head=4, d_inner=64, vocab_size=50, dropout=0.0)
+    model = T.XLNetModel(config).double().eval()
+    stiefelize(model, init="orthonormal")
+    attn = model.layer[0].rel_attn
+    frames_q = attn.parametrizations.q.original0.detach()  # (H, D, r)
+    x = torch.randn(5, 2, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # (N, B, D)
+    torch.testing.assert_close(torch.einsum("ibh,hnd->ibnd", x, attn.q), torch.einsum("ibh,nhd->ibnd", x, frames_q))
+    assert attn.q.shape == (32, 4, 8) and max(float(isometry_error(p)) for _, p in frames(model)) < 1e-12
+    ids = {"input_ids": torch.randint(0, 50, (2, 7))}
+    before = model(**ids).last_hidden_state
+    again = stiefelize(unstiefelize(copy.deepcopy(model)), init="nearest")
+    torch.testing.assert_close(again(**ids).last_hidden_state, before)
+    opt = StiefelAdam(param_groups(again, frame_lr=0.05), lr=1e-2)
+    again(**ids).last_hidden_state.square().mean().backward()
+    opt.step()
+    assert max(float(isometry_error(p)) for _, p in frames(again)) < 1e-12

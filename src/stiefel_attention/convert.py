@@ -12,7 +12,8 @@ nn.Linear projections named q_proj/k_proj (Llama, Qwen, Mistral, Gemma, OPT, Phi
 multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeBERTa-v2), q/k (T5), q_lin/k_lin,
 Wq/Wk, project_q/project_k; fused q | k | v weights: GPT-2's Conv1D c_attn, nn.Linear c_attn (nanoGPT,
 GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v grouped per key-value head in
-query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); torch's `nn.MultiheadAttention` (packed
+query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); per-head parameters (d, heads,
+head_dim) named q, k (XLNet); torch's `nn.MultiheadAttention` (packed
 `in_proj_weight`; also inside `nn.TransformerEncoderLayer`). The heads are read from the module (num_heads,
 num_attention_heads, n_heads, n_head, or its config) and the key heads from the key weight itself.
 `docs/zoo.md` (tools/zoo.py) lists every transformers model type with what happens to it. Register another
@@ -71,6 +72,7 @@ class Projection:
     pieces: tuple[tuple[str, int], ...]
     head_dim: int
     interleaved: bool = False
+    per_head: bool = False  # the weight is (D, heads, head_dim), one matrix per head (XLNet), read as (D, units)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class StiefelProjection(FrameParametrization):
         # temperature: one more original after the pieces', a log-temperature per query head (query heads scaled
         # by its exp); right_inverse sets it to 0 and stiefelize to the scale-preserving value
         self.n_query = sum(n for kind, n in p.pieces if kind == "q") if temperature else 0
-        self.interleaved = p.interleaved
+        self.interleaved, self.per_head = p.interleaved, p.per_head
         heads = dict((kind, n) for kind, n in p.pieces if kind != "rest")
         if p.interleaved and (not p.rows or heads.get("k", 0) < 1 or heads.get("q", 0) % heads.get("k", 1)):
             raise StiefelizeError(
@@ -121,6 +123,8 @@ class StiefelProjection(FrameParametrization):
 
     def _split(self, weight: Tensor) -> list[Tensor]:
         """The weight's block of each piece, in the sequential layout ((units, D) rows, or (D, units))."""
+        if self.per_head:
+            weight = weight.reshape(weight.shape[0], -1)
         widths = [self._width(kind, n) for kind, n in self.pieces]
         if not self.interleaved:
             return list(weight.split(widths, dim=0 if self.rows else 1))
@@ -173,7 +177,8 @@ class StiefelProjection(FrameParametrization):
                 blocks.append(t.transpose(1, 2).reshape(n * self.head_dim, self.d_model))
             else:  # (n, D, r) -> (D, n*r)
                 blocks.append(t.permute(1, 0, 2).reshape(self.d_model, n * self.head_dim))
-        return self._join(blocks).to(self.dtype_of_weight.dtype)
+        out = self._join(blocks).to(self.dtype_of_weight.dtype)
+        return out.reshape(self.d_model, -1, self.head_dim) if self.per_head else out
 
     def qk_change(self, before: Tensor, after: Tensor) -> float:
         """||W_QK' - W_QK||_F / ||W_QK||_F over the query and key blocks (the rest does not change); NaN on meta."""
@@ -281,6 +286,26 @@ def _fused(
     return Adapter(label, matches, projections)
 
 
+def _per_head_parameters(q_name: str, k_name: str) -> Adapter:
+    """W_Q, W_K as parameters of shape (D, heads, head_dim) that the module applies itself (XLNet's q, k)."""
+
+    def matches(m: nn.Module) -> bool:
+        q, k = getattr(m, q_name, None), getattr(m, k_name, None)
+        return all(isinstance(t, nn.Parameter) and t.dim() == 3 for t in (q, k)) and _has_heads(m)
+
+    def projections(m: nn.Module) -> list[Projection]:
+        q, k = getattr(m, q_name), getattr(m, k_name)
+        r = q.shape[2]
+        return [
+            Projection(m, q_name, False, (("q", q.shape[1]),), r, per_head=True),
+            Projection(m, k_name, False, (("k", k.shape[1]),), r, per_head=True),
+        ]
+
+    return Adapter(
+        f"per-head parameters {q_name}, {k_name} of shape (d, heads, head_dim) (XLNet)", matches, projections
+    )
+
+
 def _linear(attr: str) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(getattr(m, attr), nn.Linear) and _has_heads(m)
 
@@ -339,6 +364,7 @@ for _adapter in (
         needs=lambda m: _linear("in_proj")(m) and isinstance(getattr(m, "q_bias", None), nn.Parameter),
         interleaved=True,
     ),
+    _per_head_parameters("q", "k"),
     _separate("q_proj", "k_proj"),
     _separate("query", "key"),
     _separate("q_lin", "k_lin"),
@@ -509,8 +535,9 @@ def _capture_inputs(model: nn.Module, planned: list, calibrate: Callable) -> dic
     for where, p in owners.values():
         if p.name != "weight":  # e.g. nn.MultiheadAttention's in_proj_weight: its key input is another argument
             raise StiefelizeError(
-                f"{where}: calibrate reads each projection's input as its module's first argument, and this "
-                f"module's {p.name} is applied to several; nothing was converted"
+                f"{where}: calibrate reads each projection's input as the first argument of the module that owns "
+                f"its weight (nn.Linear, Conv1D), and this module's {p.name} is not applied that way; nothing was "
+                "converted"
             )
     seen: dict[int, list[Tensor]] = {key: [] for key in owners}
 
