@@ -760,6 +760,18 @@ def test_calibration_refusals_leave_the_model_unconverted():
         stiefelize(model, init="nearest", calibrate=lambda m: m(torch.randn(1, 3, 32)))
     with pytest.raises(StiefelizeError, match=r"did not run 1: Linear; nothing was converted"):
         stiefelize(model, init="nearest", temperature=True, calibrate=lambda m: m[0](torch.randn(1, 3, 32)))
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(T.LlamaConfig(num_key_value_heads=2, **SMALL)) if transformers else None
+    if llama is not None:  # a key projection skipped in one call (as a cache would) cannot be paired
+
+        def unpaired(m):
+            m(torch.randint(0, 50, (1, 4)))
+            m.model.layers[0].self_attn.k_proj._forward_pre_hooks.clear()  # its next calls are not seen
+            m(torch.randint(0, 50, (1, 4)))
+
+        with pytest.raises(StiefelizeError, match="query projection ran 2 times and its key projection 1 times"):
+            stiefelize(llama, init="nearest", temperature=True, calibrate=unpaired)
+        assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in llama.modules())
     mha = nn.MultiheadAttention(32, 4, batch_first=True)
     with pytest.raises(StiefelizeError, match="in_proj_weight is not applied that way"):
         stiefelize(mha, init="nearest", temperature=True, calibrate=lambda m: m(*[torch.randn(1, 3, 32)] * 3))

@@ -565,6 +565,14 @@ def _capture_inputs(model: nn.Module, planned: list, calibrate: Callable) -> dic
     missing = [where for key, (where, _) in owners.items() if not seen[key]]
     if missing:
         raise StiefelizeError(f"calibrate(model) did not run {', '.join(missing)}; nothing was converted")
+    for name, _, _, projections in planned:  # each query input is paired with the key input of the same call
+        calls = {kind: len(seen[id(p.owner)]) for p in projections for kind, _ in p.pieces if kind != "rest"}
+        if calls.get("q") != calls.get("k"):
+            raise StiefelizeError(
+                f"{name}: during calibrate its query projection ran {calls.get('q')} times and its key projection "
+                f"{calls.get('k')} times, so their inputs cannot be paired (a key cache?); run plain forward passes "
+                "without a cache; nothing was converted"
+            )
     return seen
 
 
