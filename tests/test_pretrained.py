@@ -77,10 +77,12 @@ def test_a_damaged_checkpoint_is_made_again(tmp_path, text, capsys):
 
     corpus = cached_text(text)
     recipe = P.pretrain_recipe("smoke", "gpt2")
-    path, info = P.checkpoint(recipe, corpus, tmp_path, torch.device("cpu"))
-    state = torch.load(path, weights_only=True)["state_dict"]
+    path, info, state = P.checkpoint(recipe, corpus, tmp_path, torch.device("cpu"))
+    assert all(
+        torch.equal(t, u) for t, u in zip(state.values(), torch.load(path, weights_only=True)["state_dict"].values())
+    )
     path.write_bytes(b"not a checkpoint")
-    again, _ = P.checkpoint(recipe, corpus, tmp_path, torch.device("cpu"))
+    again, _, _ = P.checkpoint(recipe, corpus, tmp_path, torch.device("cpu"))
     assert again == path and "remaking" in capsys.readouterr().out
     remade = torch.load(path, weights_only=True)["state_dict"]
     assert all(torch.equal(state[k], remade[k]) for k in state)  # pretraining is deterministic

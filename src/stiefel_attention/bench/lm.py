@@ -225,8 +225,9 @@ def cached_text(data: str | None):
 
 
 @torch.no_grad()
-def _loss(model, x: torch.Tensor, y: torch.Tensor, batch: int = 64) -> float:
-    """Mean cross-entropy over every position of the windows, in nats per character."""
+def window_loss(model, x: torch.Tensor, y: torch.Tensor, batch: int = 64) -> float:
+    """Mean cross-entropy over every position of the windows, in nats per character. model: any callable from a
+    batch of token windows to their logits (B, N, vocab), e.g. a CharGPT."""
     total = 0.0
     for i in range(0, len(x), batch):
         logits = model(x[i : i + batch])
@@ -289,7 +290,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
         running, seen = running + value, seen + 1
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             model.eval()
-            val_loss = _loss(model, x_eval, y_eval)
+            val_loss = window_loss(model, x_eval, y_eval)
             if not math.isfinite(val_loss):
                 diverged = step
                 break

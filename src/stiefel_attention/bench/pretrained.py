@@ -44,7 +44,7 @@ from ..optim import NonFiniteGradientError, StiefelAdam, param_groups
 from .errors import UserError
 from .family import Family, check_data
 from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, save_figure
-from .lm import cached_text
+from .lm import cached_text, window_loss
 from .lock import exclusive
 from .records import Cell
 from .report import write_experiment
@@ -165,14 +165,9 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     ]
 
 
-@torch.no_grad()
-def _loss(model, x: torch.Tensor, y: torch.Tensor, batch: int = 64) -> float:
-    """Mean cross-entropy over every position of the windows, in nats per character."""
-    total = 0.0
-    for i in range(0, len(x), batch):
-        logits = model(input_ids=x[i : i + batch]).logits
-        total += float(F.cross_entropy(logits.flatten(0, 1), y[i : i + batch].flatten(), reduction="sum"))
-    return total / y.numel()
+def _loss(model, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The validation loss of a transformers causal LM on token windows (lm's, through its output's logits)."""
+    return window_loss(lambda ids: model(input_ids=ids).logits, x, y)
 
 
 def _train_step(model, opt, sched, xb, yb) -> float:
@@ -206,8 +201,9 @@ def weights_sha256(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def checkpoint(recipe: dict, corpus, folder: Path, device: torch.device) -> tuple[Path, dict]:
-    """The checkpoint of a recipe on this text: (path, its info), pretraining it first if it is not there yet."""
+def checkpoint(recipe: dict, corpus, folder: Path, device: torch.device) -> tuple[Path, dict, dict]:
+    """The checkpoint of a recipe on this text: (path, its info, its state dict), pretraining it first if it is
+    not there yet."""
     tag = hashlib.sha256(json.dumps({**recipe, "data": corpus.sha256}, sort_keys=True).encode()).hexdigest()[:12]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{recipe['model']}-{tag}.pt"
@@ -216,14 +212,14 @@ def checkpoint(recipe: dict, corpus, folder: Path, device: torch.device) -> tupl
             try:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
                 if saved["info"]["recipe"] == recipe:
-                    return path, saved["info"]
+                    return path, saved["info"], saved["state_dict"]
             except Exception as err:  # a file from an interrupted write, or another version: made again
                 print(f"pretrained: remaking {path} ({type(err).__name__}: {err})", flush=True)
         info, state = _pretrain(recipe, corpus, device)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save({"info": info, "state_dict": state}, tmp)
         os.replace(tmp, path)
-    return path, info
+    return path, info, state
 
 
 def _pretrain(recipe: dict, corpus, device: torch.device) -> tuple[dict, dict]:
@@ -248,10 +244,9 @@ def run(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     corpus = cached_text(str(data) if data else None)
     check_data(cfg, DEFAULT_TEXT_SHA256, corpus.sha256, corpus.source)
-    path, info = checkpoint(cfg["pretrain"], corpus, Path(checkpoints or default_checkpoints()), device)
+    path, info, state = checkpoint(cfg["pretrain"], corpus, Path(checkpoints or default_checkpoints()), device)
     torch.manual_seed(cfg["seed"])  # orthonormal frames are drawn from it
     model = build_model(cfg["model"], cfg["pretrain"], corpus.vocab_size)
-    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     model.load_state_dict(state)
     model.to(device).eval()
     x_eval, y_eval = (t.to(device) for t in fixed_windows(corpus.val, cfg["n_eval"], cfg["context"], seed=0))
