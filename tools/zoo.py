@@ -183,9 +183,9 @@ def _orthonormal_per_head(found) -> None:
         for _, _, projections in found:
             for p in projections:
                 weight = getattr(p.owner, p.name)
-                if getattr(p, "per_head", False):  # (D, heads, head_dim): a view as (D, units)
+                if p.per_head:  # (D, heads, head_dim): a view as (D, units)
                     weight = weight.view(weight.shape[0], -1)
-                d = weight.shape[1] if p.rows else weight.shape[0]
+                d = p.d_model
                 out_major = weight if p.rows else weight.T
                 for start in range(0, out_major.shape[0], d):
                     block = out_major[start : start + d]

@@ -74,6 +74,12 @@ class Projection:
     interleaved: bool = False
     per_head: bool = False  # the weight is (D, heads, head_dim), one matrix per head (XLNet), read as (D, units)
 
+    @property
+    def d_model(self) -> int:
+        """The width of the input the weight reads."""
+        weight = getattr(self.owner, self.name)
+        return weight.shape[1] if self.rows else weight.shape[0]
+
 
 @dataclass(frozen=True)
 class Adapter:
@@ -218,12 +224,13 @@ def _first(obj, names: tuple[str, ...]):
     return next((getattr(obj, n) for n in names if getattr(obj, n, None)), None)
 
 
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")  # a module's names
+
+
 def _heads(module: nn.Module) -> tuple[int, int, int]:
     """(query heads, key-value heads, head_dim or 0) from the usual attribute and config names."""
     config = getattr(module, "config", None)
-    H = _first(module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")) or _first(
-        config, ("num_attention_heads",)
-    )
+    H = _first(module, _HEAD_COUNTS) or _first(config, ("num_attention_heads",))
     if H is None:
         raise StiefelizeError(f"{type(module).__name__}: cannot tell its number of heads")
     Hkv = _first(config, ("num_key_value_heads",)) or _first(
@@ -236,8 +243,9 @@ def _heads(module: nn.Module) -> tuple[int, int, int]:
 
 
 def _has_heads(m: nn.Module) -> bool:
-    names = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
-    return _first(m, names) is not None or _first(getattr(m, "config", None), ("num_attention_heads",)) is not None
+    return (
+        _first(m, _HEAD_COUNTS) is not None or _first(getattr(m, "config", None), ("num_attention_heads",)) is not None
+    )
 
 
 def _separate(q_name: str, k_name: str) -> Adapter:
@@ -472,11 +480,9 @@ def stiefelize(
                 raise StiefelizeError(
                     f"{name}: {p.name} is already parametrized (stiefelize twice?); nothing was converted"
                 )
-            weight = getattr(p.owner, p.name)
-            d_model = weight.shape[1] if p.rows else weight.shape[0]
-            if p.head_dim > d_model:
+            if p.head_dim > p.d_model:
                 raise StiefelizeError(
-                    f"{name}: heads of {p.head_dim} dimensions read a {d_model}-dimensional input; a frame on "
+                    f"{name}: heads of {p.head_dim} dimensions read a {p.d_model}-dimensional input; a frame on "
                     f"St(d, r) needs r <= d, so W_Q, W_K cannot be frames; nothing was converted"
                 )
         if init == "svd" or temperature:
@@ -500,8 +506,7 @@ def stiefelize(
         for p in projections:
             weight = getattr(p.owner, p.name)
             before = weight.detach().clone()
-            d_model = weight.shape[1] if p.rows else weight.shape[0]
-            param = StiefelProjection(p, d_model, init, dtype=weight.dtype, temperature=temperature)
+            param = StiefelProjection(p, p.d_model, init, dtype=weight.dtype, temperature=temperature)
             parametrize.register_parametrization(p.owner, p.name, param, unsafe=True)
             converted.append((p, param, before))
         if init == "svd" or temperature:
@@ -543,11 +548,10 @@ def _capture_inputs(model: nn.Module, planned: list, calibrate: Callable) -> dic
 
     def hook(module, args):
         where, p = owners[id(module)]
-        width = getattr(module, p.name).shape[1 if p.rows else 0]
-        if not args or not isinstance(args[0], Tensor) or args[0].shape[-1] != width:
+        if not args or not isinstance(args[0], Tensor) or args[0].shape[-1] != p.d_model:
             raise StiefelizeError(
                 f"{where}: calibrate needs the projection applied to the module's first argument (a tensor of "
-                f"width {width}), as nn.Linear does; nothing was converted"
+                f"width {p.d_model}), as nn.Linear does; nothing was converted"
             )
         seen[id(module)].append(args[0].detach())
 
