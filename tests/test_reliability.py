@@ -503,3 +503,15 @@ def test_the_heartbeat_of_a_long_run_counts_in_its_familys_unit(capsys):
     assert get_family("grok").progress_unit == "epoch" and get_family("lm").progress_unit == "step"
     Heartbeat("lm-cell", 60.0, get_family("lm").progress_unit)(600, 600)  # the last call always prints
     assert capsys.readouterr().err.strip() == "lm-cell: step 600/600"
+
+
+def test_the_folder_is_checked_again_only_while_nothing_of_ours_marks_it(tmp_path, monkeypatch):
+    """check_folder reads every record in the folder (seconds in a large one): it runs at the start and before a
+    claim only while the folder holds neither a claim of this command nor a record of its cells."""
+    calls = []
+    real = runner_module.check_folder
+    monkeypatch.setattr(runner_module, "check_folder", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cells = [_grok_cell(s) for s in range(3)]
+    records, failures = run_cells(cells, tmp_path / "runs", InlineExecutor(), progress=False)
+    assert failures == [] and len(records) == 3
+    assert len(calls) == 2  # at the start, and before the first claim; then our first record marks the folder

@@ -345,10 +345,11 @@ def run_cells(
 
     The folder is created and checked for writing first. Cells are claimed (`lock.py`) one at a time, as
     the executor becomes ready for each (all at once on Ray, which schedules them itself), each claim
-    taken under the folder's lock after checking what the folder holds (one profile, one dataset:
-    `check_folder`); a cell another live process has claimed or finished is left to it, so concurrent
-    commands on one folder split the work between them. Records are written the moment each run
-    finishes. Duplicate cells (same key) run once.
+    taken under the folder's lock; what the folder holds (one profile, one dataset: `check_folder`) is
+    checked there whenever the folder holds neither a claim of this process nor a record of its cells, the
+    only times another profile could have come in (it checks too, and sees ours). A cell another live
+    process has claimed or finished is left to it, so concurrent commands on one folder split the work
+    between them. Records are written the moment each run finishes. Duplicate cells (same key) run once.
     """
     runs_dir = ensure_writable(runs_dir)
     unique = list({c.key: c for c in cells}.values())
@@ -382,7 +383,8 @@ def run_cells(
                 "source": cell.options.get("data"),
             }
             with claims.folder():
-                check()
+                if not (claims.held or records):  # no claim or record of our cells marks the folder: look again
+                    check()
                 ok = claims.claim(cell, about)
             # another process may have finished it since we looked, or holds it now
             done = read_record(cell.path(runs_dir), warn=False)
