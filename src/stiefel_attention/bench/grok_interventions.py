@@ -172,11 +172,11 @@ def interventions_summary(records: list[dict], measure: Measure, fallback: Measu
         out["ops"][op] = {"variants": variants, "comparisons": comparisons}
     fewest = min((c["n_seeds"] for op in out["ops"].values() for c in op["comparisons"]), default=0)
     out["protocol_seeds"], out["fewest_paired_seeds"] = seeds, fewest
-    out["verdicts"] = _experiment_verdicts(out["ops"], complete=fewest >= seeds)
-    plus = out["ops"].get("+", {}).get("variants", {})
+    complete = fewest >= seeds
+    out["verdicts"] = _experiment_verdicts(out["ops"], complete)
     out["mechanism_verdict"] = (
-        _mechanism_verdict(plus)
-        if fewest >= seeds
+        _mechanism_verdict(out["ops"].get("+", {}).get("variants", {}))
+        if complete
         else f"not yet measured with the protocol's {seeds} paired seeds (fewest so far: {fewest})"
     )
     return out
