@@ -131,3 +131,28 @@ def test_a_query_projection_wider_than_its_heads_is_refused_as_an_unknown_layout
     model = Qwen3NextForCausalLM(config)  # its q_proj holds a gate per head beside the queries
     with pytest.raises(StiefelizeError, match="not 4 query heads .*a layout no adapter knows"):
         stiefelize(model)
+
+
+def test_the_readme_states_the_tables_counts():
+    """README's sentence on the zoo gives the committed table's counts, so it cannot drift from docs/zoo.json."""
+    import re
+
+    rows = json.loads(TABLE.read_text())["rows"]
+    count = {s: sum(r["status"] == s for r in rows) for s in {r["status"] for r in rows}}
+    verified = sum(r["status"] == "converted" and r["checks"].get("heads") is True for r in rows)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    words = {"three": 3}
+    found = re.search(
+        r"(\d+) convert and pass every check, (\d+) of them verified head by head .*?; (\w+) convert but fail the "
+        r"head check.*?; (\d+) are refused with the reason; (\d+) have no tiny config",
+        readme,
+    )
+    assert found, "README no longer states the zoo's counts in the expected sentence"
+    fails = words.get(found[3], found[3])
+    assert [int(found[1]), int(found[2]), int(fails), int(found[4]), int(found[5])] == [
+        count.get("converted", 0),
+        verified,
+        count.get("converted, a check fails", 0),
+        count.get("refused", 0),
+        count.get("no small config", 0),
+    ]
