@@ -822,3 +822,67 @@ def test_xlnet_per_head_parameters_become_frames_at_the_heads_its_own_code_reads
     again(**ids).last_hidden_state.square().mean().backward()
     opt.step()
     assert max(float(isometry_error(p)) for _, p in frames(again)) < 1e-12
+
+
+@needs_transformers
+def test_qwen3_next_gated_q_proj_frames_are_the_query_units_of_each_head_and_the_gate_stays():
+    """Qwen3-Next's q_proj holds, head by head, r query units then r gate units (its forward views the output as
+    (heads, 2 r) and halves it): the frames must be the query halves, the gates untouched Euclidean weights."""
+    torch.manual_seed(0)
+    config = T.Qwen3NextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, layer_types=["full_attention"], vocab_size=50, num_experts=4, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = T.Qwen3NextForCausalLM(config).double().eval()
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    split = lambda out: torch.chunk(out.view(2, 5, -1, 16), 2, dim=-1)  # noqa: E731 - as its forward reads q_proj
+    with torch.no_grad():
+        _, gate_before = split(attn.q_proj(x))
+    stiefelize(model, init="nearest", temperature=True)
+    plist = attn.q_proj.parametrizations.weight
+    frames_q, frames_k = plist.original0.detach(), attn.k_proj.parametrizations.weight.original0.detach()
+    assert frames_q.shape == (4, 32, 8) and frames_k.shape == (2, 32, 8)
+    with torch.no_grad():
+        q, gate = split(attn.q_proj(x))
+        scale = plist.original2.exp().view(1, 1, 4, 1)  # each query head's temperature
+    torch.testing.assert_close(q, scale * torch.einsum("bnd,hdr->bnhr", x, frames_q))
+    torch.testing.assert_close(gate, gate_before)  # the gate is the rest: left as it was
+    torch.testing.assert_close(attn.k_proj(x).view(2, 5, 2, 8), torch.einsum("bnd,hdr->bnhr", x, frames_k))
+
+
+def test_a_gated_query_projection_of_a_class_not_known_to_read_it_per_head_is_refused():
+    """q_proj with twice the query units: per head (q_h | gate_h) or per block (q | gate) cannot be told from the
+    weights, so a module not known to read it per head is refused, nothing converted."""
+
+    class GatedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.head_dim = 4, 8
+            self.q_proj, self.k_proj = nn.Linear(32, 64), nn.Linear(32, 32)
+
+    model = nn.Sequential(GatedAttention())
+    with pytest.raises(StiefelizeError, match="not 4 query heads .*a layout no adapter knows"):
+        stiefelize(model)
+    assert not frames(model)
+
+
+class _LinearAttention(nn.Module):
+    """A linear-attention mixer as Kimi's or Qwen3-Next's delta rules are built: q_proj, k_proj and heads like
+    softmax attention, and the decay of a recurrent state (A_log, here in a forget-gate child)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = 4, 8
+        self.q_proj, self.k_proj = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.forget_gate = nn.Module()
+        self.forget_gate.A_log = nn.Parameter(torch.zeros(4))
+
+
+def test_linear_attention_mixers_are_not_converted_as_softmax_attention():
+    with pytest.raises(StiefelizeError, match="no softmax attention"):
+        stiefelize(nn.Sequential(_LinearAttention(), _LinearAttention()))
+    hybrid = nn.Sequential(_LinearAttention(), CausalSelfAttention())  # one softmax layer: only it converts
+    stiefelize(hybrid)
+    assert not hasattr(hybrid[0].q_proj, "parametrizations") and len(frames(hybrid)) == 2

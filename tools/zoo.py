@@ -50,7 +50,17 @@ _SIZES = (  # (shrunk value, every name configs use for that size)
     (32, ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size")),
     (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
 )
-_AT_MOST = {"num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1}
+_AT_MOST = {"num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+# Fields a default config leaves None for the model to fill in, where some models read them as numbers anyway
+_UNSET = {
+    "head_dim": 16,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+}
+# State-space layers of hybrids: heads of 16 over the mixer's inner width (2 x 64)
+_STATE_SPACE = {"mamba_n_heads": 8, "n_mamba_heads": 8, "mamba_d_head": 16, "mamba_headdim": 16, "mamba_d_state": 16}
 _ENOUGH = {"vocab_size": 128, "max_position_embeddings": 128, "n_positions": 128}
 
 
@@ -89,12 +99,14 @@ def _shrink(config) -> None:
                     setattr(config, name, value)
                 except (AttributeError, TypeError, ValueError):
                     pass
-    for name, value in {**_AT_MOST, **_ENOUGH, **_HEAD_PARTS}.items():
+    for name, value in {**_AT_MOST, **_ENOUGH, **_HEAD_PARTS, **_STATE_SPACE}.items():
         try:
             if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
                 setattr(config, name, value)
         except Exception:  # per-layer attributes some configs refuse to read globally
             pass
+    if isinstance(getattr(config, "mamba_d_ssm", None), int):  # the state-space mixer's inner width, stated apart
+        config.mamba_d_ssm = config.mamba_n_heads * config.mamba_d_head
     for name in ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "swa_num_key_value_heads"):
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, 2)
@@ -107,6 +119,14 @@ def _shrink(config) -> None:
                 setattr(config, name, 16)
         except Exception:
             pass
+    for name, value in _UNSET.items():
+        if name in config.to_dict() and config.to_dict()[name] is None:
+            setattr(config, name, value)
+    if isinstance(getattr(config, "kv_lora_rank", None), int):  # multi-head latent attention
+        # every query head has its own key head, and the rotary part of a head is what these configs call head_dim
+        config.num_key_value_heads = config.num_attention_heads
+        config.qk_rope_head_dim = config.qk_nope_head_dim = 8
+        config.head_dim = config.qk_rope_head_dim
     vocab = getattr(config, "vocab_size", None)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         if isinstance(vocab, int) and isinstance(getattr(config, name, None), int) and getattr(config, name) >= vocab:
@@ -116,10 +136,17 @@ def _shrink(config) -> None:
 def _shrink_layer_types(config) -> None:
     """A per-layer list of layer kinds must match the layer count; a hybrid keeps one layer of each kind (its
     first ones would often all be linear attention, leaving nothing to convert)."""
+    # hybrids whose attention layers are named by position: the second of the two layers is one
+    if isinstance(getattr(config, "attn_layer_period", None), int):  # every period-th layer from the offset
+        config.attn_layer_period, config.attn_layer_offset = 2, 1
+    if hasattr(config, "attn_layer_indices"):
+        config.attn_layer_indices = [1]
     layers = getattr(config, "num_hidden_layers", None)
     types = getattr(config, "layer_types", None)
     if not (isinstance(types, list) and isinstance(layers, int)):
         return
+    if set(types) == {"linear_attention"}:  # a default that lists only a hybrid's linear layers
+        types = ["linear_attention", "full_attention"]
     kinds = list(dict.fromkeys(types))
     keep = kinds if len(kinds) > 1 else types[:layers]
     try:
@@ -240,7 +267,7 @@ def _heads_check(model, found, inputs) -> str | None:
     norms = {}
     for _, module, _ in found:
         pairs = (("q_norm", "q"), ("k_norm", "k"), ("q_layernorm", "q"), ("k_layernorm", "k"), ("qk_norm", "q"),
-                 ("qk_norm", "k"))  # fmt: skip
+                 ("qk_norm", "k"), ("query_layernorm", "q"), ("key_layernorm", "k"))  # fmt: skip
         for attr, side in pairs:
             norm = getattr(module, attr, None)
             if isinstance(norm, nn.Module):

@@ -13,9 +13,13 @@ multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeB
 Wq/Wk, project_q/project_k; fused q | k | v weights: GPT-2's Conv1D c_attn, nn.Linear c_attn (nanoGPT,
 GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v grouped per key-value head in
 query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); per-head parameters (d, heads,
-head_dim) named q, k (XLNet); torch's `nn.MultiheadAttention` (packed
+head_dim) named q, k (XLNet); each head's queries beside its output gate in one weight (Qwen3-Next's and
+Qwen3.5's q_proj, MiniCPM5's q_gate_proj: matched by class, since the weights cannot tell it from a gate after
+all the queries); torch's `nn.MultiheadAttention` (packed
 `in_proj_weight`; also inside `nn.TransformerEncoderLayer`). The heads are read from the module (num_heads,
 num_attention_heads, n_heads, n_head, or its config) and the key heads from the key weight itself.
+Linear-attention and state-space mixers (a module with the decay of a recurrent state, A_log or dt_bias) are
+never matched, though some have a q_proj and a k_proj: no softmax reads them.
 `docs/zoo.md` (tools/zoo.py) lists every transformers model type with what happens to it. Register another
 layout with `register_adapter`; a model with no adapter is refused with the reason (`why_not`).
 """
@@ -23,6 +27,7 @@ layout with `register_adapter`; a model with no adapter is refused with the reas
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,7 +68,8 @@ class Projection:
     is left as it is (the V part of a fused projection). `interleaved`: the pieces repeat key-value head by
     key-value head instead, each group holding its query heads, its key head and its share of the rest
     (Falcon's fused query_key_value; with a key head per query head, q, k and v of each head side by side:
-    GPT-NeoX, Bloom, Persimmon; with one, the plain q | k | v of multi-query attention); needs rows.
+    GPT-NeoX, Bloom, Persimmon; with one, the plain q | k | v of multi-query attention); in a weight without
+    keys, query head by query head (each head's queries beside its gate: Qwen3-Next's q_proj); needs rows.
     """
 
     owner: nn.Module
@@ -115,7 +121,8 @@ class StiefelProjection(FrameParametrization):
         self.n_query = sum(n for kind, n in p.pieces if kind == "q") if temperature else 0
         self.interleaved, self.per_head = p.interleaved, p.per_head
         heads = dict((kind, n) for kind, n in p.pieces if kind != "rest")
-        if p.interleaved and (not p.rows or heads.get("k", 0) < 1 or heads.get("q", 0) % heads.get("k", 1)):
+        groups = heads.get("k", heads.get("q", 0))
+        if p.interleaved and (not p.rows or groups < 1 or heads.get("q", 0) % groups):
             raise StiefelizeError(
                 "an interleaved projection needs an nn.Linear weight and query heads in whole groups per key head"
             )
@@ -147,8 +154,10 @@ class StiefelProjection(FrameParametrization):
         return torch.cat([b.reshape(groups, -1, self.d_model) for b in blocks], dim=1).reshape(-1, self.d_model)
 
     def _groups(self) -> int:
-        """Key-value heads: the groups an interleaved weight repeats (query heads h * g .. h * g + g - 1 share one)."""
-        return next(n for kind, n in self.pieces if kind == "k")
+        """The groups an interleaved weight repeats: its key-value heads (query heads h * g .. h * g + g - 1 share
+        one), or, in a weight without keys, its query heads (each query head beside its share of the rest)."""
+        heads = dict((kind, n) for kind, n in self.pieces if kind != "rest")
+        return heads.get("k", heads.get("q"))
 
     def heads(self, weight: Tensor) -> dict[str, Tensor]:
         """Each frame piece's heads in a weight of this layout, {"q": (H, D, r), "k": (Hkv, D, r)}."""
@@ -248,6 +257,17 @@ def _has_heads(m: nn.Module) -> bool:
     )
 
 
+# Parameters that hold the decay of a recurrent state: a module that has them (or whose direct child does, a
+# forget gate) is a state-space or linear-attention mixer, whose q_proj and k_proj feed no softmax
+_RECURRENT_STATE = ("A_log", "dt_bias")
+
+
+def _recurrent(m: nn.Module) -> bool:
+    own = [n for n, _ in m.named_parameters(recurse=False)]
+    own += [n for c in m.children() for n, _ in c.named_parameters(recurse=False)]
+    return any(n in _RECURRENT_STATE for n in own)
+
+
 def _separate(q_name: str, k_name: str) -> Adapter:
     def matches(m: nn.Module) -> bool:
         q, k = getattr(m, q_name, None), getattr(m, k_name, None)
@@ -290,6 +310,45 @@ def _fused(
                 "heads"
             )
         return [Projection(fused, "weight", rows, (("q", H), ("k", Hkv), ("rest", Hkv * r)), r, interleaved)]
+
+    return Adapter(label, matches, projections)
+
+
+def _instance_of(classes: tuple[tuple[str, str], ...]) -> Callable[[nn.Module], bool]:
+    """Whether a module is one of these classes, given as (module path, class name); a class whose module was
+    never imported has no instances, so nothing is imported here."""
+
+    def matches(m: nn.Module) -> bool:
+        found = (getattr(sys.modules.get(path), name, None) for path, name in classes)
+        return any(isinstance(m, cls) for cls in found if isinstance(cls, type))
+
+    return matches
+
+
+def _gated_queries(q_name: str, k_name: str, classes: tuple[tuple[str, str], ...], label: str) -> Adapter:
+    """Queries and an output gate in one nn.Linear, head by head: each head's r query units, then its r gate
+    units (the module's forward views the output as (heads, 2 r) and halves the last axis); keys separate. The
+    weights alone cannot tell this from a gate after all the queries (a per-block layout), so the adapter matches
+    only classes whose forward is known to read it per head."""
+    known = _instance_of(classes)
+
+    def matches(m: nn.Module) -> bool:
+        q, k = getattr(m, q_name, None), getattr(m, k_name, None)
+        return isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and _has_heads(m) and known(m)
+
+    def projections(m: nn.Module) -> list[Projection]:
+        H, _, r = _heads(m)
+        q, k = getattr(m, q_name), getattr(m, k_name)
+        r = r or q.out_features // (2 * H)
+        if q.out_features != 2 * H * r or k.out_features % r:
+            raise StiefelizeError(
+                f"{type(m).__name__}: {q_name} has {q.out_features} outputs and {k_name} {k.out_features}, not "
+                f"{H} heads of {r} queries and {r} gate units each, and whole key heads of {r}"
+            )
+        return [
+            Projection(q, "weight", True, (("q", H), ("rest", H * r)), r, interleaved=True),
+            Projection(k, "weight", True, (("k", k.out_features // r),), r),
+        ]
 
     return Adapter(label, matches, projections)
 
@@ -373,6 +432,22 @@ for _adapter in (
         interleaved=True,
     ),
     _per_head_parameters("q", "k"),
+    _gated_queries(
+        "q_proj",
+        "k_proj",
+        (
+            ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextAttention"),
+            ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5Attention"),
+            ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention"),
+        ),
+        "q_proj with each head's queries beside its output gate, k_proj (Qwen3-Next, Qwen3.5)",
+    ),
+    _gated_queries(
+        "q_gate_proj",
+        "k_proj",
+        (("transformers.models.minicpm5_moe.modeling_minicpm5_moe", "MiniCPM5MoeAttention"),),
+        "q_gate_proj with each head's queries beside its output gate, k_proj (MiniCPM5-MoE)",
+    ),
     _separate("q_proj", "k_proj"),
     _separate("query", "key"),
     _separate("q_lin", "k_lin"),
@@ -394,6 +469,8 @@ def _find(model: nn.Module) -> list[tuple[str, nn.Module, Adapter]]:
     for name, module in model.named_modules():
         if any(name.startswith(c + ".") for c in claimed):
             continue  # inside an attention module already converted (e.g. a q_proj of a matched parent)
+        if _recurrent(module):  # linear attention or a state-space mixer: its q_proj and k_proj feed no softmax
+            continue
         for adapter in _ADAPTERS:
             if adapter.matches(module):
                 found.append((name, module, adapter))
@@ -406,9 +483,11 @@ def why_not(model: nn.Module) -> str:
     """Why no adapter matched anything in model, as far as its modules tell."""
     names = {type(m).__name__ for m in model.modules()}
     linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    attention = sorted(n for n in names if "Attention" in n)
+    softmax = [m for m in model.modules() if not _recurrent(m)]
+    attention = sorted({type(m).__name__ for m in softmax if "Attention" in type(m).__name__})
     recurrent = ("Mamba", "Rwkv", "Mixer", "XLSTM", "xLSTM", "Recurrent", "Ssm", "Mlstm")
-    if any(k in n for n in names for k in recurrent) and not any("Mamba" not in n for n in attention):
+    recurrent_mixers = any(k in n for n in names for k in recurrent) or any(_recurrent(m) for m in model.modules())
+    if recurrent_mixers and not any("Mamba" not in n for n in attention):
         return "it has no softmax attention (state-space or recurrent layers)"
     if "kv_a_proj_with_mqa" in linears or "q_a_proj" in linears:
         return (
