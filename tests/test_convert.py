@@ -886,3 +886,54 @@ def test_linear_attention_mixers_are_not_converted_as_softmax_attention():
     hybrid = nn.Sequential(_LinearAttention(), CausalSelfAttention())  # one softmax layer: only it converts
     stiefelize(hybrid)
     assert not hasattr(hybrid[0].q_proj, "parametrizations") and len(frames(hybrid)) == 2
+
+
+@needs_transformers
+def test_codegen_partitions_hold_queries_values_keys_and_their_frames_are_its_heads():
+    """CodeGen's qkv_proj holds mp_num = 4 partitions, each with its share of the query heads, the values and the
+    key heads, in that order; with 8 heads each partition has two, so a head order within partitions is tested."""
+    torch.manual_seed(0)
+    config = T.CodeGenConfig(n_embd=64, n_layer=1, n_head=8, rotary_dim=4, vocab_size=50, n_positions=32)
+    model = T.CodeGenForCausalLM(config).double().eval()
+    attn = model.transformer.h[0].attn
+    x = torch.randn(2, 5, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def own_split(out):  # as its forward reads qkv_proj: (B, N, 4, 3 * 16) -> query, value, key -> (B, N, 8, 8)
+        query, value, key = out.view(2, 5, 4, 48).split(16, dim=-1)
+        return query.reshape(2, 5, 8, 8), value.reshape(2, 5, 8, 8), key.reshape(2, 5, 8, 8)
+
+    with torch.no_grad():
+        _, value_before, _ = own_split(attn.qkv_proj(x))
+    stiefelize(model, init="orthonormal")
+    plist = attn.qkv_proj.parametrizations.weight
+    frames_q, frames_k = plist.original0.detach(), plist.original2.detach()
+    assert frames_q.shape == frames_k.shape == (8, 64, 8)
+    with torch.no_grad():
+        query, value, key = own_split(attn.qkv_proj(x))
+    torch.testing.assert_close(query, torch.einsum("bnd,hdr->bnhr", x, frames_q))
+    torch.testing.assert_close(key, torch.einsum("bnd,hdr->bnhr", x, frames_k))
+    torch.testing.assert_close(value, value_before)
+
+
+def test_refusals_name_routed_queries_and_wrapped_projections():
+    class RoutedAttention(nn.Module):  # JetMoE's shape: keys from one linear, queries from routed experts
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 4
+            self.kv_proj, self.experts = nn.Linear(32, 64), nn.ModuleList([nn.Linear(32, 32)] * 2)
+
+    class PerCodebook(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(3, 32, 32))  # one W per codebook
+
+    class WrappedAttention(nn.Module):  # Moshi's shape: projections that are not nn.Linear
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 4
+            self.q_proj, self.k_proj = PerCodebook(), PerCodebook()
+
+    with pytest.raises(StiefelizeError, match=r"mixture of experts, RoutedAttention.experts \(ModuleList\)"):
+        stiefelize(nn.Sequential(RoutedAttention()))
+    with pytest.raises(StiefelizeError, match=r"WrappedAttention.k_proj \(PerCodebook\), .*not nn.Linear weights"):
+        stiefelize(nn.Sequential(WrappedAttention()))

@@ -12,7 +12,8 @@ nn.Linear projections named q_proj/k_proj (Llama, Qwen, Mistral, Gemma, OPT, Phi
 multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeBERTa-v2), q/k (T5), q_lin/k_lin,
 Wq/Wk, project_q/project_k; fused q | k | v weights: GPT-2's Conv1D c_attn, nn.Linear c_attn (nanoGPT,
 GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v grouped per key-value head in
-query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); per-head parameters (d, heads,
+query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); q, v, k in the mp_num partitions
+of qkv_proj (CodeGen); per-head parameters (d, heads,
 head_dim) named q, k (XLNet); each head's queries beside its output gate in one weight (Qwen3-Next's and
 Qwen3.5's q_proj, MiniCPM5's q_gate_proj: matched by class, since the weights cannot tell it from a gate after
 all the queries); torch's `nn.MultiheadAttention` (packed
@@ -69,7 +70,8 @@ class Projection:
     key-value head instead, each group holding its query heads, its key head and its share of the rest
     (Falcon's fused query_key_value; with a key head per query head, q, k and v of each head side by side:
     GPT-NeoX, Bloom, Persimmon; with one, the plain q | k | v of multi-query attention); in a weight without
-    keys, query head by query head (each head's queries beside its gate: Qwen3-Next's q_proj); needs rows.
+    keys, query head by query head (each head's queries beside its gate: Qwen3-Next's q_proj); or in `groups`
+    partitions, each with its share of every piece (CodeGen's 4: queries, values, keys); needs rows.
     """
 
     owner: nn.Module
@@ -79,6 +81,7 @@ class Projection:
     head_dim: int
     interleaved: bool = False
     per_head: bool = False  # the weight is (D, heads, head_dim), one matrix per head (XLNet), read as (D, units)
+    groups: int = 0  # the groups an interleaved weight repeats, where not its key heads (CodeGen's partitions)
 
     @property
     def d_model(self) -> int:
@@ -121,10 +124,11 @@ class StiefelProjection(FrameParametrization):
         self.n_query = sum(n for kind, n in p.pieces if kind == "q") if temperature else 0
         self.interleaved, self.per_head = p.interleaved, p.per_head
         heads = dict((kind, n) for kind, n in p.pieces if kind != "rest")
-        groups = heads.get("k", heads.get("q", 0))
-        if p.interleaved and (not p.rows or groups < 1 or heads.get("q", 0) % groups):
+        self.groups = p.groups or heads.get("k", heads.get("q", 0))
+        if p.interleaved and (not p.rows or self.groups < 1 or any(n % self.groups for n in heads.values())):
             raise StiefelizeError(
-                "an interleaved projection needs an nn.Linear weight and query heads in whole groups per key head"
+                "an interleaved projection needs an nn.Linear weight and its heads in whole groups (query heads "
+                "per key head)"
             )
         self.frame_originals = tuple(i for i, (kind, _) in enumerate(p.pieces) if kind != "rest")
         # The weight is assembled in the dtype the module computes in (half precision models keep float32 frames
@@ -154,10 +158,10 @@ class StiefelProjection(FrameParametrization):
         return torch.cat([b.reshape(groups, -1, self.d_model) for b in blocks], dim=1).reshape(-1, self.d_model)
 
     def _groups(self) -> int:
-        """The groups an interleaved weight repeats: its key-value heads (query heads h * g .. h * g + g - 1 share
-        one), or, in a weight without keys, its query heads (each query head beside its share of the rest)."""
-        heads = dict((kind, n) for kind, n in self.pieces if kind != "rest")
-        return heads.get("k", heads.get("q"))
+        """The groups an interleaved weight repeats: those the projection names, else its key-value heads (query
+        heads h * g .. h * g + g - 1 share one), or, in a weight without keys, its query heads (each query head
+        beside its share of the rest)."""
+        return self.groups
 
     def heads(self, weight: Tensor) -> dict[str, Tensor]:
         """Each frame piece's heads in a weight of this layout, {"q": (H, D, r), "k": (Hkv, D, r)}."""
@@ -353,6 +357,29 @@ def _gated_queries(q_name: str, k_name: str, classes: tuple[tuple[str, str], ...
     return Adapter(label, matches, projections)
 
 
+def _partitioned(attr: str) -> Adapter:
+    """q, v, k in mp_num partitions of one nn.Linear, each holding its share of the query heads, then of the
+    values, then of the key heads, in head order (CodeGen, which names its partitions mp_num)."""
+
+    def matches(m: nn.Module) -> bool:
+        parts, fused = getattr(m, "mp_num", None), getattr(m, attr, None)
+        return isinstance(parts, int) and isinstance(fused, nn.Linear) and _has_heads(m)
+
+    def projections(m: nn.Module) -> list[Projection]:
+        H, _, r = _heads(m)
+        fused, parts = getattr(m, attr), m.mp_num
+        r = r or fused.in_features // H
+        if fused.out_features != 3 * H * r or H % parts:
+            raise StiefelizeError(
+                f"{type(m).__name__}: {attr} has {fused.out_features} outputs, not queries, values and keys of {H} "
+                f"heads of {r} in {parts} partitions"
+            )
+        pieces = (("q", H), ("rest", H * r), ("k", H))
+        return [Projection(fused, "weight", True, pieces, r, interleaved=True, groups=parts)]
+
+    return Adapter(f"fused nn.Linear {attr}, q | v | k in mp_num partitions (CodeGen)", matches, projections)
+
+
 def _per_head_parameters(q_name: str, k_name: str) -> Adapter:
     """W_Q, W_K as parameters of shape (D, heads, head_dim) that the module applies itself (XLNet's q, k)."""
 
@@ -407,6 +434,7 @@ for _adapter in (
     ),
     _fused("qkv", rows=True, label="fused nn.Linear qkv, q | k | v (timm Attention)", needs=_linear("qkv")),
     _fused("Wqkv", rows=True, label="fused nn.Linear Wqkv, q | k | v (MPT)", needs=_linear("Wqkv")),
+    _partitioned("qkv_proj"),
     _fused(
         "qkv_proj",
         rows=True,
@@ -497,6 +525,20 @@ def why_not(model: nn.Module) -> str:
     if not attention:
         return "it has no attention module"
     mods = [m for m in model.modules() if type(m).__name__ in attention]
+    routed = sorted({f"{type(m).__name__}.{n} ({type(c).__name__})" for m in mods for n, c in m.named_children()
+                     if n == "experts"})  # fmt: skip
+    if routed:
+        return (
+            f"its queries come from a mixture of experts, {', '.join(routed)}: a W_Q routed token by token, not "
+            "one per head"
+        )
+    wrapped = sorted({f"{type(m).__name__}.{n} ({type(c).__name__})" for m in mods for n, c in m.named_children()
+                      if n in ("q_proj", "k_proj") and not isinstance(c, nn.Linear)})  # fmt: skip
+    if wrapped:
+        return (
+            f"its W_Q, W_K are {', '.join(wrapped)}: modules of their own, not nn.Linear weights, and no adapter "
+            "knows what they compute around their weights; register one with register_adapter"
+        )
     kids = sorted({n for m in mods for n, c in m.named_children() if isinstance(c, nn.Linear)})
     return f"no adapter knows the layout of {', '.join(attention)} (linear layers: {', '.join(kids) or 'none'})"
 
