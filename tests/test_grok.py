@@ -467,3 +467,57 @@ def test_the_no_decay_claim_row_reads_the_controls_comparison():
     assert verdict.startswith("untestable on grokking (no run of either arm groks); on final val acc: does not")
     _, verdict = row((6000, 6100, 6200, 6300, 6400), 1.0)
     assert verdict == "does not replicate: exempting W_Q, W_K from decay makes AdamW grok significantly sooner"
+
+
+class _CutOff(Exception):
+    """Stands for the end of a session: the run stops mid-way, its process gone."""
+
+
+def _cut_at(epoch: int):
+    def progress(done, total):
+        if done == epoch:
+            raise _CutOff
+
+    return progress
+
+
+@pytest.mark.parametrize("arm,extra", [("stiefel-adam", {}), ("adamw", {"qk_clip": 2.0})])
+def test_a_run_cut_off_and_resumed_from_its_checkpoint_ends_as_one_never_cut_off(tmp_path, arm, extra):
+    from stiefel_attention.bench.partial import Checkpoint
+
+    cfg = grok.make_config("smoke", arm, 0, "+", epochs=60, eval_every=10, **extra)
+    whole = grok.run(cfg, device="cpu")
+    path, stretch = tmp_path / "run.pt", {"code_version": "abc"}
+    with pytest.raises(_CutOff):  # a checkpoint after every epoch; cut off after the one of epoch 38
+        grok.run(cfg, device="cpu", progress=_cut_at(38), checkpoint=Checkpoint(path, "k", stretch, every_s=0))
+    again = Checkpoint(path, "k", {"code_version": "def"}, every_s=1e9)
+    resumed = grok.run(cfg, device="cpu", checkpoint=again)
+    assert resumed["metrics"] == whole["metrics"] and resumed["curves"] == whole["curves"]
+    assert again.resumed() == [{"from": 0, "code_version": "abc"}, {"from": 38, "code_version": "def"}]
+    wrong = Checkpoint(path, "another run", stretch)  # a checkpoint is resumed only by the run it came from
+    assert wrong.load() is None and wrong.resumed() is None
+
+
+def test_the_runner_resumes_a_cut_off_run_names_its_stretches_and_removes_the_checkpoint(tmp_path, capsys):
+    from dataclasses import replace
+
+    from stiefel_attention.bench.partial import Checkpoint, checkpoint_path
+    from stiefel_attention.bench.runner import InlineExecutor, run_cells
+
+    cell = grok.FAMILY.cells("single", "smoke", seeds=1)[0]
+    cell = replace(cell, config={**cell.config, "epochs": 40})
+    whole, _ = run_cells([cell], tmp_path / "whole", InlineExecutor(), progress=False)
+    assert not checkpoint_path(tmp_path / "whole", cell.name, cell.key).exists()  # removed with the record
+    assert "resumed" not in whole[cell.key]  # a run never cut off: its record as before checkpoints existed
+    runs = tmp_path / "runs"
+    path = checkpoint_path(runs, cell.name, cell.key)
+    with pytest.raises(_CutOff):
+        grok.run(cell.config, progress=_cut_at(25), checkpoint=Checkpoint(path, cell.key, {"code_version": "old"}, 0))
+    assert path.exists()
+    records, failures = run_cells([cell], runs, InlineExecutor(), progress=False)
+    record = records[cell.key]
+    assert failures == [] and not path.exists() and "resuming" in capsys.readouterr().err
+    assert record["metrics"] == whole[cell.key]["metrics"] and record["curves"] == whole[cell.key]["curves"]
+    assert [s["from"] for s in record["resumed"]] == [0, 25] and record["resumed"][0]["code_version"] == "old"
+    assert record["resumed"][1]["code_version"] == record["code_version"]
+    assert json.loads(cell.path(runs).read_text())["resumed"] == record["resumed"]

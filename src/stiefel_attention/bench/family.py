@@ -50,6 +50,7 @@ class Family:
     experiments: tuple[str, ...]  # named experiments, each a set of cells
     claimed: tuple[str, ...] = ()  # experiments whose summaries carry paper claims (REPORT.md lists them)
     progress_unit: str = "step"  # what run(progress=...) counts, for the heartbeat line of a long run
+    resumable: bool = False  # run(checkpoint=...) saves its state while in flight and resumes from it (partial.py)
     reproduce_order: tuple[str, ...] = ()  # experiments `reproduce` runs, in this order (default: all)
     controls_experiment: str | None = None  # its experiment with every arm (REPORT: "When does the geometry dominate?")
     decay_experiment: str | None = None  # its stiefel-adam vs adamw lead against weight decay, if it has one

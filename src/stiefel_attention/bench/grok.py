@@ -214,7 +214,9 @@ def _build(cfg: dict, model: ModularTransformer) -> list[torch.optim.Optimizer]:
     return build_optimizers(model, arm, hp)
 
 
-def run(cfg: dict, device: str | None = None, progress=None) -> dict:
+def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) -> dict:
+    """Train one cell. checkpoint (a partial.Checkpoint): resume from its saved state, if any, and save the
+    state whenever it is due; the run then ends exactly as one never cut off."""
     t_start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     m = cfg["model"]
@@ -242,7 +244,19 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
     clip_heads = clip_steps = 0
     first_grok = None
     t_train = 0.0
-    for epoch in range(1, cfg["epochs"] + 1):
+    start = 1
+    saved = checkpoint.load() if checkpoint is not None else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        for o, state in zip(opts, saved["opts"]):
+            o.load_state_dict(state)
+        for sched, state in zip(scheds, saved["scheds"]):
+            sched.load_state_dict(state)
+        log, mechanism = saved["log"], saved["mechanism"]
+        clip_heads, clip_steps, first_grok, t_train = saved["counters"]
+        torch.set_rng_state(saved["rng"])
+        start = saved["epoch"] + 1
+    for epoch in range(start, cfg["epochs"] + 1):
         t0 = time.perf_counter()
         if tau is not None:
             reset_logit_stats(model)  # the clip reads this step's training forward only
@@ -278,6 +292,18 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
                 first_grok = epoch
             if not math.isfinite(log["train_loss"][-1]):
                 raise FloatingPointError(f"training loss became {log['train_loss'][-1]} at epoch {epoch}")
+        if checkpoint is not None and epoch < cfg["epochs"] and checkpoint.due():
+            state = {
+                "model": model.state_dict(),
+                "opts": [o.state_dict() for o in opts],
+                "scheds": [sched.state_dict() for sched in scheds],
+                "log": log,
+                "mechanism": mechanism,
+                "counters": (clip_heads, clip_steps, first_grok, t_train),
+                "rng": torch.get_rng_state(),
+                "epoch": epoch,
+            }
+            checkpoint.save(epoch, state)
         if progress is not None:
             progress(epoch, cfg["epochs"])
     return {
@@ -343,6 +369,7 @@ def find_collapses(
 class GrokFamily(Family):
     name = "grok"
     progress_unit = "epoch"
+    resumable = True
     title = "modular addition (grokking)"
     help = "modular-arithmetic grokking experiments"
     profiles = PROFILES

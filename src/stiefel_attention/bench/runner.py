@@ -1,7 +1,8 @@
 """Execute experiment cells, one JSON record per finished run, resumable.
 
 A cell whose record (`records.py`) exists is skipped; a record is written atomically the moment
-its run finishes, so Ctrl-C or a crash loses only runs in flight. Executors are a small interface:
+its run finishes, so Ctrl-C or a crash loses only runs in flight, and of a resumable family's runs only the
+steps since their last checkpoint (`partial.py`). Executors are a small interface:
 `LocalExecutor` (a process pool, one process per core by default), `InlineExecutor` (this process;
 tests and debugging) and `RayExecutor` (one Ray task per run, on a local or remote Ray cluster). An executor needs only
 `submit(cells, runs_dir) -> iterator of (cell, record or exception)`.
@@ -17,12 +18,14 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from .errors import UserError
 from .family import get_family
 from .lock import Claims
+from .partial import Checkpoint, checkpoint_path
 from .records import Cell, code_version, ensure_writable, read_record, write_json_atomic
 
 __all__ = [
@@ -88,11 +91,19 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     heartbeat_s = options.pop("heartbeat_s", None)
     if heartbeat_s:
         options["progress"] = Heartbeat(cell.name, heartbeat_s, family.progress_unit)
+    runs_dir, every_s = options.pop("checkpoint_dir", None), options.pop("checkpoint_every_s", 300.0)
+    checkpoint = None
+    if runs_dir is not None and family.resumable:
+        stretch = {"code_version": version, "cpu": host()["cpu"], "threads": torch.get_num_threads()}
+        checkpoint = Checkpoint(checkpoint_path(runs_dir, cell.name, cell.key), cell.key, stretch, every_s)
+        options["checkpoint"] = checkpoint
     try:
         result = family.run(cell.config, **options)
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads_before)
+    if checkpoint is not None and checkpoint.resumed():
+        result = {**result, "resumed": checkpoint.resumed()}
     return {
         "name": cell.name,
         "key": cell.key,
@@ -338,6 +349,14 @@ def check_folder(
             )
 
 
+def resumable(cell: Cell) -> bool:
+    """Whether the cell's family saves checkpoints of runs in flight."""
+    try:
+        return get_family(cell.family).resumable
+    except ValueError:  # an unknown family: its run fails in the worker and is reported as that run's failure
+        return False
+
+
 def run_cells(
     cells: list[Cell], runs_dir: str | Path, executor: Executor | None = None, progress: bool = True, desc: str = "runs"
 ) -> tuple[dict[str, dict], list[tuple[Cell, BaseException]]]:
@@ -389,6 +408,8 @@ def run_cells(
             # another process may have finished it since we looked, or holds it now
             done = read_record(cell.path(runs_dir), warn=False)
             if ok and done is None:
+                if resumable(cell):  # its checkpoints go beside the records
+                    cell = replace(cell, options={**cell.options, "checkpoint_dir": str(runs_dir)})
                 yield cell
                 continue
             if ok:
@@ -422,6 +443,7 @@ def run_cells(
             else:
                 write_json_atomic(cell.path(runs_dir), outcome)
                 records[cell.key] = outcome
+                checkpoint_path(runs_dir, cell.name, cell.key).unlink(missing_ok=True)
             claims.release(cell)
             if bar is not None:
                 bar.update(1)
