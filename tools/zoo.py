@@ -111,7 +111,18 @@ _HEAD_PARTS = {
 }
 
 
+# Widths some configs state as a multiple of the model's width (RWKV's attention, Zamba2's attention over
+# [hidden, embedding], xLSTM's embedding): shrunk in proportion
+_PROPORTIONAL = ("attention_hidden_size", "embedding_dim")
+
+
 def _shrink(config) -> None:
+    width = getattr(config, "hidden_size", None)
+    proportional = {
+        n: getattr(config, n) * 64 // width
+        for n in _PROPORTIONAL
+        if isinstance(width, int) and isinstance(getattr(config, n, None), int) and getattr(config, n) % width == 0
+    }
     for value, names in _SIZES:
         for name in names:
             if name in config.to_dict() or name in getattr(config, "attribute_map", {}):
@@ -125,6 +136,13 @@ def _shrink(config) -> None:
                 setattr(config, name, value)
         except Exception:  # per-layer attributes some configs refuse to read globally
             pass
+    for name, value in proportional.items():
+        setattr(config, name, value)
+    if isinstance(getattr(config, "attention_head_dim", None), int) and "attention_hidden_size" in proportional:
+        config.attention_head_dim = config.attention_hidden_size // config.num_attention_heads
+    if all(isinstance(getattr(config, n, None), int) for n in ("expand", "num_heads", "head_dim", "n_groups")):
+        config.head_dim, config.n_groups = 16, 1  # Mamba-2's heads over its inner width, expand x 64
+        config.num_heads = config.expand * 64 // 16
     if isinstance(getattr(config, "mamba_d_ssm", None), int):  # the state-space mixer's inner width, stated apart
         config.mamba_d_ssm = config.mamba_n_heads * config.mamba_d_head
     for name in ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "swa_num_key_value_heads"):

@@ -515,7 +515,7 @@ def why_not(model: nn.Module) -> str:
     attention = sorted({type(m).__name__ for m in softmax if "Attention" in type(m).__name__})
     recurrent = ("Mamba", "Rwkv", "Mixer", "XLSTM", "xLSTM", "Recurrent", "Ssm", "Mlstm")
     recurrent_mixers = any(k in n for n in names for k in recurrent) or any(_recurrent(m) for m in model.modules())
-    if recurrent_mixers and not any("Mamba" not in n for n in attention):
+    if recurrent_mixers and all(any(k in n for k in recurrent) for n in attention):  # no softmax kind is left
         return "it has no softmax attention (state-space or recurrent layers)"
     if "kv_a_proj_with_mqa" in linears or "q_a_proj" in linears:
         return (
