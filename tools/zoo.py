@@ -62,7 +62,14 @@ _SIZES = (  # (shrunk value, every name configs use for that size)
     (32, ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size")),
     (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
 )
-_AT_MOST = {"num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+_AT_MOST = {
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "num_kv_shared_layers": 0,
+    "n_group": 1,
+    "topk_group": 1,
+}
 # Fields a default config leaves None for the model to fill in, where some models read them as numbers anyway
 _UNSET = {
     "head_dim": 16,
@@ -81,6 +88,8 @@ _ENOUGH = {
     "encoder_hash_byte_group_vocab": 128,
     "shape_vocab_size": 128,
     "pronunciation_vocab_size": 128,
+    "vocab_size_per_layer_input": 128,
+    "hidden_size_per_layer_input": 16,
 }
 
 
@@ -90,6 +99,17 @@ def small_config(model_type: str):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
+    # Per-layer overrides (Gemma 4's wider full-attention heads) make attributes such as head_dim unreadable
+    # globally; a config built without them shrinks like any other, every layer with the shared widths (layer
+    # kinds, masks and rotary embeddings stay as they were). The overrides may sit in a nested config.
+    plain = config.to_dict()
+    if plain.get("per_layer_config"):
+        config = AutoConfig.for_model(model_type, per_layer_config={})
+    nested = {
+        k: {**v, "per_layer_config": {}} for k, v in plain.items() if isinstance(v, dict) and v.get("per_layer_config")
+    }
+    if nested:
+        config = AutoConfig.for_model(model_type, **nested)
     _shrink(config)
     for name in list(config.to_dict()):
         sub = getattr(config, name, None)
@@ -245,7 +265,7 @@ def _inputs(model, config) -> dict:
     if "pixel_values" in names and "input_ids" not in names:
         size = getattr(config, "image_size", 32)
         return {"pixel_values": torch.randn(2, 3, size, size, generator=gen, dtype=torch.float64)}
-    if "input_features" in names:  # speech encoders (whisper): a mel spectrogram
+    if "input_features" in names and "input_ids" not in names:  # speech models (whisper): a mel spectrogram
         frames = 2 * getattr(config, "max_source_positions", 64)
         feats = torch.randn(2, getattr(config, "num_mel_bins", 80), frames, generator=gen, dtype=torch.float64)
         return {"input_features": feats, "decoder_input_ids": torch.randint(0, 100, (2, 6), generator=gen)}
