@@ -937,3 +937,23 @@ def test_refusals_name_routed_queries_and_wrapped_projections():
         stiefelize(nn.Sequential(RoutedAttention()))
     with pytest.raises(StiefelizeError, match=r"WrappedAttention.k_proj \(PerCodebook\), .*not nn.Linear weights"):
         stiefelize(nn.Sequential(WrappedAttention()))
+
+
+@needs_transformers
+def test_moshi_wrapped_projections_convert_and_per_codebook_ones_are_refused():
+    """Moshi's attention reads q and k through MoshiLinear: a plain nn.Linear inside (its main decoder), converted;
+    or one weight per codebook (its depth decoder), refused with the way out, the model left unconverted."""
+    from transformers.models.moshi.modeling_moshi import MoshiAttention
+
+    config = T.MoshiConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_codebooks=3)
+    main = nn.Sequential(MoshiAttention(config, layer_idx=0, use_flexible_linear=False))
+    before = main[0].q_proj.linear.weight.detach().clone()
+    stiefelize(main, init="nearest")
+    frames_q = main[0].q_proj.linear.parametrizations.weight.original0.detach()  # (H, D, r)
+    assert frames_q.shape == (4, 32, 8) and len(frames(main)) == 2
+    heads = before.view(4, 8, 32).transpose(1, 2)  # head h: rows h*8 .. h*8+7 of the (out, in) weight
+    torch.testing.assert_close(frames_q, convert_module.polar_retract(heads, torch.zeros_like(heads)))
+    depth = nn.Sequential(MoshiAttention(config, layer_idx=0, use_flexible_linear=True))
+    with pytest.raises(StiefelizeError, match="MoshiFlexibleLinear, not an nn.Linear .*one weight per codebook"):
+        stiefelize(depth)
+    assert not frames(depth)

@@ -16,7 +16,8 @@ query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); q, v
 of qkv_proj (CodeGen); per-head parameters (d, heads,
 head_dim) named q, k (XLNet); each head's queries beside its output gate in one weight (Qwen3-Next's and
 Qwen3.5's q_proj, MiniCPM5's q_gate_proj: matched by class, since the weights cannot tell it from a gate after
-all the queries); torch's `nn.MultiheadAttention` (packed
+all the queries); q_proj, k_proj wrapping an nn.Linear (Moshi's MoshiLinear, matched by class); torch's
+`nn.MultiheadAttention` (packed
 `in_proj_weight`; also inside `nn.TransformerEncoderLayer`). The heads are read from the module (num_heads,
 num_attention_heads, n_heads, n_head, or its config) and the key heads from the key weight itself.
 Linear-attention and state-space mixers (a module with the decay of a recurrent state, A_log or dt_bias) are
@@ -272,25 +273,51 @@ def _recurrent(m: nn.Module) -> bool:
     return any(n in _RECURRENT_STATE for n in own)
 
 
+def _query_and_key(m: nn.Module, q: nn.Linear, k: nn.Linear, q_name: str, k_name: str) -> list[Projection]:
+    """W_Q in q (the module's query heads), W_K in k (whole key heads of the same width)."""
+    H, _, r = _heads(m)
+    r = r or q.out_features // H
+    Hkv = k.out_features // r  # from the weight itself: a config's key-value heads may not apply to this module
+    if q.out_features != H * r or k.out_features != Hkv * r:
+        raise StiefelizeError(
+            f"{type(m).__name__}: {q_name} has {q.out_features} and {k_name} {k.out_features} outputs, not "
+            f"{H} query heads and whole key heads of {r}: a layout no adapter knows (e.g. a gate per head "
+            f"beside the queries); register one with register_adapter"
+        )
+    return [Projection(q, "weight", True, (("q", H),), r), Projection(k, "weight", True, (("k", Hkv),), r)]
+
+
 def _separate(q_name: str, k_name: str) -> Adapter:
     def matches(m: nn.Module) -> bool:
         q, k = getattr(m, q_name, None), getattr(m, k_name, None)
         return isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and _has_heads(m)
 
     def projections(m: nn.Module) -> list[Projection]:
-        H, _, r = _heads(m)
-        q, k = getattr(m, q_name), getattr(m, k_name)
-        r = r or q.out_features // H
-        Hkv = k.out_features // r  # from the weight itself: a config's key-value heads may not apply to this module
-        if q.out_features != H * r or k.out_features != Hkv * r:
-            raise StiefelizeError(
-                f"{type(m).__name__}: {q_name} has {q.out_features} and {k_name} {k.out_features} outputs, not "
-                f"{H} query heads and whole key heads of {r}: a layout no adapter knows (e.g. a gate per head "
-                f"beside the queries); register one with register_adapter"
-            )
-        return [Projection(q, "weight", True, (("q", H),), r), Projection(k, "weight", True, (("k", Hkv),), r)]
+        return _query_and_key(m, getattr(m, q_name), getattr(m, k_name), q_name, k_name)
 
     return Adapter(f"separate nn.Linear {q_name}, {k_name}", matches, projections)
+
+
+def _wrapped(q_name: str, k_name: str, inner: str, classes: tuple[tuple[str, str], ...], label: str) -> Adapter:
+    """q_proj and k_proj as wrappers whose forward is their nn.Linear `inner` alone (Moshi's MoshiLinear), matched
+    by class since a wrapper's forward may do more. A wrapper holding anything else (Moshi's depth decoder: one
+    weight per codebook) is refused, and with it the model."""
+    known = _instance_of(classes)
+
+    def matches(m: nn.Module) -> bool:
+        return all(known(getattr(m, n, None)) for n in (q_name, k_name)) and _has_heads(m)
+
+    def projections(m: nn.Module) -> list[Projection]:
+        q, k = getattr(getattr(m, q_name), inner, None), getattr(getattr(m, k_name), inner, None)
+        if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear)):
+            raise StiefelizeError(
+                f"{type(m).__name__}: its {q_name}.{inner} is a {type(q).__name__}, not an nn.Linear (e.g. one "
+                f"weight per codebook), which no adapter reads; convert the parts of the model without such "
+                f"modules (e.g. stiefelize(model.decoder)) or register an adapter"
+            )
+        return _query_and_key(m, q, k, f"{q_name}.{inner}", f"{k_name}.{inner}")
+
+    return Adapter(label, matches, projections)
 
 
 def _fused(
@@ -475,6 +502,13 @@ for _adapter in (
         "k_proj",
         (("transformers.models.minicpm5_moe.modeling_minicpm5_moe", "MiniCPM5MoeAttention"),),
         "q_gate_proj with each head's queries beside its output gate, k_proj (MiniCPM5-MoE)",
+    ),
+    _wrapped(
+        "q_proj",
+        "k_proj",
+        "linear",
+        (("transformers.models.moshi.modeling_moshi", "MoshiLinear"),),
+        "q_proj, k_proj wrapping an nn.Linear (Moshi's MoshiLinear)",
     ),
     _separate("q_proj", "k_proj"),
     _separate("query", "key"),
