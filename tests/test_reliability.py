@@ -225,7 +225,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads worker processes from /proc")
 def test_sigint_to_the_parent_alone_stops_its_workers_promptly(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT.format(src=SRC, runs=str(tmp_path / "runs"))])
+    # SIGINT as a terminal or scheduler delivers it: a shell starts background jobs (pytest under `cmd &`)
+    # with SIGINT ignored, which the child would inherit and Python then leaves ignored
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARENT.format(src=SRC, runs=str(tmp_path / "runs"))], preexec_fn=restore
+    )
     try:
         deadline = time.monotonic() + 90
         workers: list[int] = []
