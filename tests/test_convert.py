@@ -954,6 +954,6 @@ def test_moshi_wrapped_projections_convert_and_per_codebook_ones_are_refused():
     heads = before.view(4, 8, 32).transpose(1, 2)  # head h: rows h*8 .. h*8+7 of the (out, in) weight
     torch.testing.assert_close(frames_q, convert_module.polar_retract(heads, torch.zeros_like(heads)))
     depth = nn.Sequential(MoshiAttention(config, layer_idx=0, use_flexible_linear=True))
-    with pytest.raises(StiefelizeError, match="MoshiFlexibleLinear, not an nn.Linear .*one weight per codebook"):
+    with pytest.raises(StiefelizeError, match="is MoshiFlexibleLinear, not an nn.Linear .*one weight per codebook"):
         stiefelize(depth)
     assert not frames(depth)

@@ -13,12 +13,11 @@ multi-query attention included), query/key (BERT, ViT), query_proj/key_proj (DeB
 Wq/Wk, project_q/project_k; fused q | k | v weights: GPT-2's Conv1D c_attn, nn.Linear c_attn (nanoGPT,
 GPT-BigCode with multi-query), qkv (timm), Wqkv (MPT); q, k, v grouped per key-value head in
 query_key_value (GPT-NeoX, Bloom, Persimmon, Falcon) and in_proj (DeBERTa); q, v, k in the mp_num partitions
-of qkv_proj (CodeGen); per-head parameters (d, heads,
-head_dim) named q, k (XLNet); each head's queries beside its output gate in one weight (Qwen3-Next's and
-Qwen3.5's q_proj, MiniCPM5's q_gate_proj: matched by class, since the weights cannot tell it from a gate after
-all the queries); q_proj, k_proj wrapping an nn.Linear (Moshi's MoshiLinear, matched by class); torch's
-`nn.MultiheadAttention` (packed
-`in_proj_weight`; also inside `nn.TransformerEncoderLayer`). The heads are read from the module (num_heads,
+of qkv_proj (CodeGen); per-head parameters (d, heads, head_dim) named q, k (XLNet); each head's queries beside
+its output gate in one weight (Qwen3-Next's and Qwen3.5's q_proj, MiniCPM5's q_gate_proj: matched by class,
+since the weights cannot tell it from a gate after all the queries); q_proj, k_proj wrapping an nn.Linear
+(Moshi's MoshiLinear, matched by class); torch's `nn.MultiheadAttention` (packed `in_proj_weight`; also inside
+`nn.TransformerEncoderLayer`). The heads are read from the module (num_heads,
 num_attention_heads, n_heads, n_head, or its config) and the key heads from the key weight itself.
 Linear-attention and state-space mixers (a module with the decay of a recurrent state, A_log or dt_bias) are
 never matched, though some have a q_proj and a k_proj: no softmax reads them.
@@ -311,7 +310,7 @@ def _wrapped(q_name: str, k_name: str, inner: str, classes: tuple[tuple[str, str
         q, k = getattr(getattr(m, q_name), inner, None), getattr(getattr(m, k_name), inner, None)
         if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear)):
             raise StiefelizeError(
-                f"{type(m).__name__}: its {q_name}.{inner} is a {type(q).__name__}, not an nn.Linear (e.g. one "
+                f"{type(m).__name__}: its {q_name}.{inner} is {type(q).__name__}, not an nn.Linear (e.g. one "
                 f"weight per codebook), which no adapter reads; convert the parts of the model without such "
                 f"modules (e.g. stiefelize(model.decoder)) or register an adapter"
             )
