@@ -420,9 +420,11 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
     summary = interventions_summary(recs, EPOCHS_TO_GROK, FINAL_VAL_ACC, seeds=5)
     v = summary["ops"]["+"]["variants"]
     assert v["adamw+clip2"]["verdict"].startswith("reproduces the frames' result")
-    assert v["adamw+softcap8"]["verdict"].startswith("no significant gain over adamw (5 seeds")
-    assert "every run censored, so on final validation accuracy" in v["adamw+softcap8"]["verdict"]
-    assert v["stiefel-adam+scale16"]["verdict"].startswith("removes the frames' advantage")
+    censored = " on final validation accuracy (every run of both censored)"  # said of the comparison it qualifies
+    assert v["adamw+softcap8"]["verdict"] == f"no significant gain over adamw{censored} (5 seeds)"
+    assert v["stiefel-adam+scale16"]["verdict"] == (
+        f"removes the frames' advantage (behind stiefel-adam, level with adamw{censored}, 5 seeds)"
+    )
     assert summary["ops"]["-"]["variants"]["stiefel-adam+scale0"]["verdict"].startswith("makes the frames worse")
     text = " ".join(summary["verdicts"])
     assert "reproduces the frames' grokking with adamw+clip2" in text and "the smallest scale that does is 16" in text
@@ -434,7 +436,7 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
     # 2 seeds: each variant has a verdict, but the absence of an effect is not concluded before the protocol's 5
     no_effect = [r for r in recs if r["config"]["seed"] < 2 and "qk_clip" not in r["config"]]
     two = interventions_summary(no_effect, EPOCHS_TO_GROK, FINAL_VAL_ACC, 5)
-    assert two["ops"]["+"]["variants"]["adamw+softcap8"]["verdict"].startswith("no significant gain over adamw (2")
+    assert two["ops"]["+"]["variants"]["adamw+softcap8"]["verdict"].endswith("censored) (2 seeds)")
     assert "So bounding the logits alone: not yet testable" in " ".join(two["verdicts"])
     assert two["mechanism_verdict"] == "not yet measured with the protocol's 5 paired seeds (fewest so far: 2)"
     early = interventions_summary([r for r in recs if r["config"]["seed"] < 3], EPOCHS_TO_GROK, FINAL_VAL_ACC, 5)

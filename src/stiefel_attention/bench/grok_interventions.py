@@ -79,7 +79,8 @@ def _standing(c: dict | None) -> int | None:
 
 
 def _on(c: dict | None) -> str:
-    return "; every run censored, so on final validation accuracy" if c is not None and c["all_censored"] else ""
+    """Said right after the comparison it qualifies: the measure that comparison was made on."""
+    return " on final validation accuracy (every run of both censored)" if c is not None and c["all_censored"] else ""
 
 
 def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
@@ -88,15 +89,16 @@ def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
     if a is None or s is None:
         return "not yet testable (fewer than 2 paired seeds)"
     n = fmt_seeds(min(vs_adamw["n_seeds"], vs_stiefel["n_seeds"]))
+    on_a, on_s = _on(vs_adamw), _on(vs_stiefel)
     if a == 0:
-        return f"no significant gain over adamw ({n}{_on(vs_adamw)})"
+        return f"no significant gain over adamw{on_a} ({n})"
     if a < 0:
-        return f"hurts AdamW (significantly behind adamw, {n}{_on(vs_adamw)})"
+        return f"hurts AdamW (significantly behind adamw{on_a}, {n})"
     if s == 0:
-        return f"reproduces the frames' result (better than adamw, level with stiefel-adam, {n}{_on(vs_stiefel)})"
+        return f"reproduces the frames' result (better than adamw{on_a}, level with stiefel-adam{on_s}, {n})"
     if s < 0:
-        return f"helps AdamW, but stays behind stiefel-adam ({n}{_on(vs_stiefel)})"
-    return f"better than both adamw and stiefel-adam ({n})"
+        return f"helps AdamW, but stays behind stiefel-adam (better than adamw{on_a}, behind stiefel-adam{on_s}, {n})"
+    return f"better than both adamw{on_a} and stiefel-adam{on_s} ({n})"
 
 
 def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
@@ -105,15 +107,16 @@ def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
     if s is None or a is None:
         return "not yet testable (fewer than 2 paired seeds)"
     n = fmt_seeds(min(vs_adamw["n_seeds"], vs_stiefel["n_seeds"]))
+    on_s, on_a = _on(vs_stiefel), _on(vs_adamw)
     if s == 0:
-        return f"no significant loss against stiefel-adam ({n}{_on(vs_stiefel)})"
+        return f"no significant loss against stiefel-adam{on_s} ({n})"
     if s > 0:
-        return f"helps the frames (significantly ahead of stiefel-adam, {n}{_on(vs_stiefel)})"
+        return f"helps the frames (significantly ahead of stiefel-adam{on_s}, {n})"
     if a == 0:
-        return f"removes the frames' advantage (behind stiefel-adam, level with adamw, {n}{_on(vs_adamw)})"
+        return f"removes the frames' advantage (behind stiefel-adam{on_s}, level with adamw{on_a}, {n})"
     if a > 0:
-        return f"hurts the frames, which stay ahead of adamw ({n})"
-    return f"makes the frames worse than adamw ({n})"
+        return f"hurts the frames (behind stiefel-adam{on_s}, still ahead of adamw{on_a}, {n})"
+    return f"makes the frames worse than adamw (behind stiefel-adam{on_s}, behind adamw{on_a}, {n})"
 
 
 def interventions_summary(records: list[dict], measure: Measure, fallback: Measure, seeds: int = 1) -> dict:
