@@ -279,3 +279,26 @@ def test_report_row_and_verdict_use_the_fallback_where_every_run_is_censored(tmp
     (tmp_path / "grok" / "decay" / "summary.json").write_text(json.dumps({"decay": decay_summary(one, TO_GROK)}))
     text = "\n".join(geometry_section(tmp_path, [("grok", "grokking", "controls", "decay")]))
     assert "ahead of adamw at weight decay 0.1; one seed only against adamw at weight decay 0.3" in text
+
+
+def test_the_mechanism_section_opens_with_one_paragraph_of_both_computed_answers(tmp_path):
+    import json
+
+    from stiefel_attention.bench.geometry import mechanism_section
+
+    (tmp_path / "grok" / "interventions").mkdir(parents=True)
+    (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
+    interventions = {"mechanism_verdict": "the attention-logit scale is causal in both directions", "verdicts": []}
+    (tmp_path / "grok" / "interventions" / "summary.json").write_text(json.dumps({"interventions": interventions}))
+    stability = {
+        "labels": ["adamw"], "sensitivity": {"adamw": {"mean": 0.5}}, "sensitivity_vs_adamw": [],
+        "precondition": {"met": True, "text": "adamw's logits grow"}, "verdict": "partly: less sensitive than adamw",
+    }  # fmt: skip
+    (tmp_path / "lm" / "lr-stability" / "summary.json").write_text(json.dumps({"stability": stability}))
+    lines = mechanism_section(tmp_path, [("grok", "grokking", "interventions"), ("lm", "char LM", "lr-stability")])
+    assert lines[0] == (
+        "The mechanism in one paragraph, from the computed verdicts below: is the attention-logit scale the "
+        "mechanism in grokking? the attention-logit scale is causal in both directions; do the frames buy "
+        "high-learning-rate stability in char LM? partly: less sensitive than adamw."
+    )
+    assert mechanism_section(tmp_path, [("cifar", "patches", None)]) == []  # no interventions: no paragraph

@@ -435,9 +435,11 @@ def geometry_section(results_dir: Path, testbeds: list[tuple[str, str, str | Non
 
 
 def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | None]]) -> list[str]:
-    """REPORT.md lines of "The mechanism, by intervention": per testbed with an interventions summary, its
-    computed verdicts and the figure. testbeds: (family folder, title, its mechanism experiment or None)."""
-    lines = []
+    """REPORT.md lines of "The mechanism, by intervention": first one paragraph with each testbed's computed
+    answer (is the logit scale the mechanism; do the frames buy high-learning-rate stability), then per testbed
+    with an interventions or stability summary, its computed verdicts and the figure. testbeds: (family folder,
+    title, its mechanism experiment or None)."""
+    lines, answers = [], []
     for family, title, experiment in testbeds:
         summary = _load(results_dir / family / str(experiment) / "summary.json") if experiment else None
         if not summary:
@@ -446,6 +448,7 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
         runs = f"{summary['n_planned_done']}/{summary['n_planned']} runs" if summary.get("n_planned") else "runs"
         link = f"[{where}]({where}/summary.md) ({runs})"
         if found := summary.get("interventions"):
+            answers.append(f"is the attention-logit scale the mechanism in {title}? {found['mechanism_verdict']}")
             lines += [
                 f"### The mechanism, by intervention: {title}",
                 "",
@@ -462,6 +465,7 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
                 if label in found["sensitivity"]
             )
             vs = "; ".join(f"{c['arm']} {fmt_diff(c, 'nats/char', 3)}" for c in found["sensitivity_vs_adamw"])
+            answers.append(f"do the frames buy high-learning-rate stability in {title}? {found['verdict']}")
             lines += [
                 f"### High learning rates: {title}",
                 "",
@@ -476,7 +480,9 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
                     f"![loss and largest attention logit against the learning rate]({where}/lr_stability.png)",
                     "",
                 ]
-    return lines
+    if not answers:
+        return lines
+    return ["The mechanism in one paragraph, from the computed verdicts below: " + "; ".join(answers) + ".", "", *lines]
 
 
 def verdicts_by_testbed(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[tuple]:
