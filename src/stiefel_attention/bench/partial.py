@@ -13,13 +13,13 @@ resumed ends with the record of a run never cut off (timings aside), which the t
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from .records import atomic_write
 
 __all__ = ["Checkpoint", "checkpoint_path"]
 
@@ -63,18 +63,8 @@ class Checkpoint:
         self._last = time.monotonic()
         blob = {"key": self.key, "step": step, "stretches": self.stretches, "state": state}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    torch.save(blob, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            with atomic_write(self.path, binary=True) as f:
+                torch.save(blob, f)
         except OSError as err:
             if not self._warned:
                 print(f"warning: cannot write checkpoint {self.path} ({err}); going on without", file=sys.stderr)
@@ -83,6 +73,3 @@ class Checkpoint:
     def resumed(self) -> list[dict] | None:
         """The stretches of a run that was resumed at least once (for its record), else None."""
         return self.stretches if len(self.stretches) > 1 else None
-
-    def clear(self) -> None:
-        self.path.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ never sees a partial one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -16,12 +17,23 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from .errors import UserError
 
-__all__ = ["Cell", "code_version", "ensure_writable", "is_record", "read_record", "strict", "write_json_atomic"]
+__all__ = [
+    "Cell",
+    "atomic_write",
+    "code_version",
+    "ensure_writable",
+    "is_record",
+    "read_record",
+    "strict",
+    "write_json_atomic",
+]
 
 # What every run record holds (runner.execute_cell writes them); a JSON file without them is not a record.
 _RECORD_FIELDS = {"name": str, "key": str, "family": str, "config": dict, "metrics": dict}
@@ -54,17 +66,17 @@ def strict(obj):
     return obj
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write strict JSON (NaN and infinities become null) so that a reader never sees a partial file,
-    even if we are killed mid-write."""
+@contextlib.contextmanager
+def atomic_write(path: str | Path, binary: bool = False) -> Iterator[IO]:
+    """A file to write path's new content to: it replaces path (fsynced, by rename) when the block ends, and is
+    removed if the block raises, so that a reader never sees a partial file, even if we are killed mid-write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make shared result folders unreadable
-        with os.fdopen(fd, "w") as f:
-            json.dump(strict(obj), f, indent=1, sort_keys=False, allow_nan=False)
-            f.write("\n")
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -72,6 +84,13 @@ def write_json_atomic(path: str | Path, obj) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write strict JSON (NaN and infinities become null) atomically (`atomic_write`)."""
+    with atomic_write(path) as f:
+        json.dump(strict(obj), f, indent=1, sort_keys=False, allow_nan=False)
+        f.write("\n")
 
 
 def ensure_writable(folder: str | Path) -> Path:
