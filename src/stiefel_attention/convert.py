@@ -530,13 +530,11 @@ def _find(model: nn.Module) -> list[tuple[str, nn.Module, Adapter]]:
     for name, module in model.named_modules():
         if any(name.startswith(c + ".") for c in claimed):
             continue  # inside an attention module already converted (e.g. a q_proj of a matched parent)
-        if _recurrent(module):  # linear attention or a state-space mixer: its q_proj and k_proj feed no softmax
+        adapter = next((a for a in _ADAPTERS if a.matches(module)), None)
+        if adapter is None or _recurrent(module):  # linear attention, a state-space mixer: its q, k feed no softmax
             continue
-        for adapter in _ADAPTERS:
-            if adapter.matches(module):
-                found.append((name, module, adapter))
-                claimed.add(name)
-                break
+        found.append((name, module, adapter))
+        claimed.add(name)
     return found
 
 
@@ -544,10 +542,12 @@ def why_not(model: nn.Module) -> str:
     """Why no adapter matched anything in model, as far as its modules tell."""
     names = {type(m).__name__ for m in model.modules()}
     linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    softmax = [m for m in model.modules() if not _recurrent(m)]
-    attention = sorted({type(m).__name__ for m in softmax if "Attention" in type(m).__name__})
+    mixers = {id(m) for m in model.modules() if _recurrent(m)}
+    attention = sorted(
+        {type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__ and id(m) not in mixers}
+    )
     recurrent = ("Mamba", "Rwkv", "Mixer", "XLSTM", "xLSTM", "Recurrent", "Ssm", "Mlstm")
-    recurrent_mixers = any(k in n for n in names for k in recurrent) or any(_recurrent(m) for m in model.modules())
+    recurrent_mixers = bool(mixers) or any(k in n for n in names for k in recurrent)
     if recurrent_mixers and all(any(k in n for k in recurrent) for n in attention):  # no softmax kind is left
         return "it has no softmax attention (state-space or recurrent layers)"
     if "kv_a_proj_with_mqa" in linears or "q_a_proj" in linears:
