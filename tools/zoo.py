@@ -177,8 +177,9 @@ def _shrink(config) -> None:
                 setattr(config, name, 16)
         except Exception:
             pass
+    plain = config.to_dict()
     for name, value in _UNSET.items():
-        if name in config.to_dict() and config.to_dict()[name] is None:
+        if name in plain and plain[name] is None:
             setattr(config, name, value)
     if isinstance(getattr(config, "kv_lora_rank", None), int):  # multi-head latent attention
         # every query head has its own key head, and the rotary part of a head is what these configs call head_dim
@@ -221,11 +222,16 @@ def _shrink_layer_types(config) -> None:
         pass
 
 
-def _build(model_type: str, **overrides):
+def _factory(model_type: str):
+    """The Auto class that builds the type: its causal LM where it has one, else its base model."""
     from transformers import AutoModel, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    factory = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+    return AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+
+
+def _build(model_type: str, **overrides):
+    factory = _factory(model_type)
     config = small_config(model_type)
     for name, value in overrides.items():  # a variant of the type's default config (tests)
         setattr(config, name, value)
@@ -247,13 +253,11 @@ def _build(model_type: str, **overrides):
 
 def _default_builds(model_type: str) -> bool:
     """Whether the type's default config, unshrunk, builds (on the meta device: no memory is allocated)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoConfig
 
-    factory = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
     try:
         with torch.device("meta"):
-            factory.from_config(AutoConfig.for_model(model_type))
+            _factory(model_type).from_config(AutoConfig.for_model(model_type))
     except Exception:
         return False
     return True
