@@ -302,3 +302,53 @@ def test_the_mechanism_section_opens_with_one_paragraph_of_both_computed_answers
         "high-learning-rate stability in char LM? partly: less sensitive than adamw."
     )
     assert mechanism_section(tmp_path, [("cifar", "patches", None)]) == []  # no interventions: no paragraph
+
+
+def _profile_root(root, profile: str, offsets: dict[str, float], n: int, by_arm=None, family="grok"):
+    """A results folder holding one controls summary.json of the given profile (planned_by_arm: open plan)."""
+    summary = {"controls": controls_summary(_controls(offsets, n), EPOCHS), "profile": profile}
+    summary |= {"n_planned": 10, "n_planned_done": 10 if by_arm is None else sum(k for k, _ in by_arm.values())}
+    summary |= {"planned_by_arm": by_arm} if by_arm else {}
+    (root / family / "controls").mkdir(parents=True)
+    (root / family / "controls" / "summary.json").write_text(json.dumps(summary))
+    return root
+
+
+def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path):
+    testbeds = [("grok", "grokking", "controls", "decay")]
+    cpu = _profile_root(tmp_path / "results", "cpu", {"adamw": 20000, "frozen": 6000, "stiefel-adam": 6000}, 5)
+    # paper: frozen behind stiefel-adam (cpu: level), adamw level with it at 2 seeds (cpu: ahead), one arm at 1 seed
+    arms = {"adamw": 6000, "frozen": 9000, "stiefel-adam": 6000}
+    paper = _profile_root(tmp_path / "results-paper", "paper", arms, 5)
+    text = "\n".join(geometry_section(paper, testbeds, [cpu]))
+    assert "| [grokking, profile paper](grok/controls/summary.md) |" in text
+    assert "| [grokking, profile cpu](../results/grok/controls/summary.md) |" in text
+    assert text.index("profile paper](") < text.index("profile cpu](")  # this folder's row first
+    assert "- stiefel-adam − frozen: different. Profile paper: stiefel-adam ahead of frozen (" in text
+    assert "; profile cpu: stiefel-adam level with frozen (" in text
+    assert "- stiefel-adam − adamw: different. Profile paper: stiefel-adam level with adamw (" in text
+    assert "- adamw − frozen: different. Profile paper: adamw ahead of frozen" in text  # cpu: behind frozen
+    alone = "\n".join(geometry_section(paper, testbeds))  # without --beside: as before, no profile, no comparison
+    assert "Across profiles" not in alone and "profile paper" not in alone and "[grokking](grok/controls" in alone
+    _profile_root(tmp_path / "results", "cpu", {"adamw": 0.5, "frozen": 0.0, "stiefel-adam": 0.0}, 5, family="lm")
+    lm = [*testbeds, ("lm", "char LM", "controls", None)]
+    assert "char LM" in "\n".join(geometry_section(cpu, lm, [paper]))
+    assert "char LM" not in "\n".join(geometry_section(paper, lm, [cpu]))  # a testbed paper has not run
+    _profile_root(tmp_path / "wide", "cpu", {"adamw": 20000, "frozen": 6000, "stiefel-adam": 6000, "muon": 6000}, 5)
+    text = "\n".join(geometry_section(tmp_path / "wide", testbeds, [paper]))
+    assert "- Not run at profile paper: stiefel-adam − muon." in text and "- stiefel-adam − muon" not in text
+
+    # an open plan: comparisons hold 'so far' until both arms have every planned run; 1 seed is not comparable
+    open_plan = {"adamw": [2, 5], "frozen": [1, 5], "stiefel-adam": [2, 5]}
+    early = _profile_root(tmp_path / "early", "paper", {"adamw": 20000, "frozen": 6000, "stiefel-adam": 6000}, 2)
+    summary = json.loads((early / "grok" / "controls" / "summary.json").read_text())
+    frozen_at_one = {**summary, "planned_by_arm": open_plan}
+    frozen_at_one["controls"]["comparisons"] = [
+        {**c, "n_seeds": 1, "ci95": [None, None]} if "frozen" in (c["arm"], c["baseline"]) else c
+        for c in summary["controls"]["comparisons"]
+    ]
+    (early / "grok" / "controls" / "summary.json").write_text(json.dumps(frozen_at_one))
+    text = "\n".join(geometry_section(early, testbeds, [cpu]))
+    assert "- stiefel-adam − adamw: the same so far. Profile paper: stiefel-adam ahead of adamw (" in text
+    assert "- stiefel-adam − frozen: not yet comparable. Profile paper: untested (" in text
+    assert "1 seed, p_W=1); profile cpu: stiefel-adam level with frozen (" in text

@@ -195,6 +195,17 @@ def test_study_verdict_names_the_wilcoxon_floor_of_five_pairs():
     assert _study_verdict(baseline_wins, baseline_wins).startswith(
         "replicates: the baseline groks significantly faster (both tests, 10/10"
     )
+    # below the planned seeds: no difference decides nothing yet; an effect found is reported 'so far'
+    two = paired_comparison([20001, 15480], [5080, 5670])
+    assert _study_verdict(two, two, None, 5) == (
+        "not decided yet (2 of 5 paired seeds): no significant difference in epochs to 95% "
+        "(the paper reports a significant baseline win)"
+    )
+    assert _study_verdict(two, two).startswith("partly replicates")  # what it reads once the seeds are planned
+    assert _study_verdict(baseline_wins, baseline_wins, None, 12).startswith(
+        "so far (10 of 12 paired seeds): replicates: the baseline groks significantly faster"
+    )
+    assert _study_verdict(baseline_wins, baseline_wins, None, 10).startswith("replicates: ")
 
 
 def test_study_verdict_when_neither_arm_groks():
@@ -272,6 +283,17 @@ def test_study_markdown_censors_never_grokked_runs_and_prints_undefined_t_as_na(
     minus_epochs = next(line for line in md.splitlines() if line.startswith("| - | epochs to 95%"))
     assert "| n/a | n/a | n/a |" in minus_epochs and "nan" not in minus_epochs  # t, p_t, p_W all undefined
     assert "untestable here" in minus_epochs
+
+
+def test_the_family_summary_holds_a_study_verdict_until_the_planned_seeds(tmp_path):
+    records = [_fake_grok_record("+", "adamw", s, e, 1.0) for s, e in ((0, None), (1, 15480))]
+    records += [_fake_grok_record("+", "stiefel-adam", s, e, 1.0) for s, e in ((0, 5080), (1, 5670))]
+    for rec in records:  # what the curves plot needs
+        rec["curves"] |= {"epoch": [20000], "qk_isometry": [1e-6]}
+    for profile, seeds in (("paper", 5), ("smoke", 2)):  # the smoke profile plans 2 seeds: decided at 2
+        summary = grok.FAMILY.write_summary(tmp_path / profile, "study", records, profile, None, {})
+        verdict = summary["studies"]["+"]["verdict"]
+        assert verdict.startswith("not decided yet (2 of 5 paired seeds)" if seeds == 5 else "partly replicates")
 
 
 def test_single_verdict_reports_the_ordering_and_each_arm_against_the_paper():

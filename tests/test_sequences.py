@@ -228,11 +228,18 @@ def test_cli_arms_runs_a_subset_and_the_summary_keeps_every_finished_run(tmp_pat
     summary = json.loads(written["summary.json"])
     planned = len(mqar.FAMILY.cells("main", "smoke"))  # the protocol's plan, whatever --seeds this command had
     assert summary["n_records"] == 4 and (summary["n_planned"], summary["n_planned_done"]) == (planned, 4)
+    seeds = planned // len(summary["planned_by_arm"])  # which arms ran, from the records: the protocol's seeds each
+    assert summary["planned_by_arm"]["stiefel-adam"] == [2, seeds] and summary["planned_by_arm"]["muon"] == [0, seeds]
     rebuild_all(tmp_path)  # `report` writes the same summary from the records alone
     assert {name: (out / "main" / name).read_bytes() for name in written} == written
     md = written["summary.md"].decode()
     assert "| frozen (1 seed) |" in md and re.search(r"\| frozen \| \d+\.\d\d \| n/a \|", md)
     assert "1 seeds" not in md and "nan" not in md  # one seed: no spread, said as such
+    ran = {"adamw": 1, "frozen": 1, "stiefel-adam": 2}
+    order = dict.fromkeys(c.config["arm"] for c in mqar.FAMILY.cells("main", "smoke"))  # the plan's order
+    per_arm = ", ".join(f"{arm} {ran[arm]}/{seeds}" for arm in order if arm in ran)
+    idle = ", ".join(arm for arm in order if arm not in ran)
+    assert f"4 finished runs of {planned} planned; finished of planned per arm: {per_arm}; not run yet: {idle}." in md
 
 
 @pytest.mark.parametrize("profile", list(mqar.PROFILES))

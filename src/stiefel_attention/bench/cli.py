@@ -239,7 +239,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             if sub.func(sub) != 0:
                 failed.append(f"{family.name} {experiment}")
     print(f"\n== report {out}", flush=True)
-    _cmd_report(argparse.Namespace(dir=str(out)))
+    _cmd_report(argparse.Namespace(dir=str(out), beside=[]))
     print(f"\nclaim by claim: {out / 'REPORT.md'}")
     if failed:
         print(f"some runs failed in: {', '.join(failed)} (rerun the same command to retry only those)", file=sys.stderr)
@@ -310,7 +310,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
         print(f"REPORT.md covers a whole results folder: stiefel-attention report {where.parent.as_posix()}")
         return 0
-    for path in rebuild_all(where):
+    for other in args.beside:
+        if not Path(other).is_dir() or Path(other).resolve() == where.resolve():
+            raise UserError(f"--beside {other}: expected another results folder (e.g. results), next to {args.dir}")
+    for path in rebuild_all(where, args.beside):
         print(f"wrote {path}")
     return 0
 
@@ -416,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="rebuild every summary, plot and REPORT.md from the run records")
     p.add_argument("dir", nargs="?", default="results", help="results folder (default: results)")
+    p.add_argument(
+        "--beside",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another profile's results folder (repeatable): REPORT.md's 'When does the geometry dominate?' sets its "
+        "rows beside this folder's and compares each standing (its summaries are read, not rebuilt)",
+    )
     p.set_defaults(func=_cmd_report)
     return parser
 

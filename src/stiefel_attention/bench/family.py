@@ -34,10 +34,12 @@ FAMILY_MODULES = ("cifar", "grok", "lm", "mqar", "pretrained")
 
 
 class Plan(NamedTuple):
-    """How far an experiment's default plan has got: its finished cells, of all the cells it plans."""
+    """How far an experiment's default plan has got: its finished cells, of all the cells it plans, and per arm
+    (arm, finished, planned) in the plan's order, so that a plan run arm by arm (--arms) says which arms ran."""
 
     done: int
     total: int
+    by_arm: tuple[tuple[str, int, int], ...] = ()
 
 
 class Family:
@@ -120,8 +122,16 @@ class Family:
         The records of an experiment may hold more than its plan (another experiment's extra seeds of a shared
         cell), so k counts planned cells, not records.
         """
-        planned = {c.key for c in with_data(self.cells(experiment, profile), data_of(finished))}
-        return Plan(len(planned & {r["key"] for r in finished}), len(planned))
+        cells = with_data(self.cells(experiment, profile), data_of(finished))
+        keys = {r["key"] for r in finished}
+        arms: dict[str, list[int]] = {}
+        for c in cells:
+            count = arms.setdefault(c.config.get("arm", ""), [0, 0])
+            count[0] += c.key in keys
+            count[1] += 1
+        planned = {c.key for c in cells}
+        by_arm = tuple((arm, done, total) for arm, (done, total) in arms.items())
+        return Plan(len(planned & keys), len(planned), by_arm)
 
     def write_summary(
         self,

@@ -37,12 +37,21 @@ def fmt_runs(summary: dict) -> str:
     the sentence then says so instead of reading as a complete plan.
     """
     n, total = summary["n_records"], summary.get("n_planned")
+    runs = f"{n} finished run" + ("" if n == 1 else "s")
     if not total:
-        return f"{n} finished runs"
+        return runs
     done = summary.get("n_planned_done", n)
-    if done == n:
-        return f"{n} finished runs of {total} planned"
-    return f"{n} finished runs ({done} of the {total} planned cells, {n - done} beyond the plan)"
+    text = (
+        f"{runs} of {total} planned"
+        if done == n
+        else f"{runs} ({done} of the {total} planned cells, {n - done} beyond the plan)"
+    )
+    if by_arm := summary.get("planned_by_arm"):
+        ran = [f"{arm} {k}/{of}" for arm, (k, of) in by_arm.items() if k]
+        idle = [arm for arm, (k, _) in by_arm.items() if not k]
+        text += "; finished of planned per arm: " + ", ".join(ran)
+        text += f"; not run yet: {', '.join(idle)}" if idle else ""
+    return text
 
 
 def fmt_p(p: float) -> str:

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import textwrap
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .arms import arm_spec
@@ -406,14 +407,20 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def geometry_section(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[str]:
+def geometry_section(
+    results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]], beside: Sequence[Path] = ()
+) -> list[str]:
     """REPORT.md lines of "When does the geometry dominate?" from each testbed's controls and decay summaries.
 
     testbeds: (family folder, testbed title, its controls experiment, its decay experiment or None), in order.
+    beside: other results folders (other profiles): a testbed's row there follows this folder's row of it (testbeds
+    this folder has not run are left out), each labelled with its profile, and a list per testbed compares every
+    standing of this folder's controls with theirs.
     """
-    found = _testbeds(results_dir, testbeds)
-    rows = [row for _, row, _ in found]
-    panels = [(title, decay) for title, _, decay in found if decay and decay.get("leads")]
+    roots = [results_dir, *beside]
+    found = {root: _testbeds(root, testbeds, results_dir, label=bool(beside)) for root in roots}
+    rows = [found[root][t][1] for t in found[results_dir] for root in roots if t in found[root]]  # own testbeds
+    panels = [(title, decay) for title, _, decay, _ in found[results_dir].values() if decay and decay.get("leads")]
     if not rows:
         return []
     lines = [
@@ -428,10 +435,79 @@ def geometry_section(results_dir: Path, testbeds: list[tuple[str, str, str | Non
         "|---|---|---|---|---|---|",
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    for family, title, *_ in testbeds:
+        for root in beside:
+            pair = [found[r][family][3] if family in found[r] else None for r in (results_dir, root)]
+            if all(s and s.get("controls") for s in pair):
+                lines += ["", *across_profiles(title, *pair)]
     if panels:
         _geometry_plot(results_dir, panels)
         lines += ["", "![lead against weight decay](geometry_decay.png)"]
     return lines + [""]
+
+
+# A comparison's standing: the arm ahead of, level with, or behind its baseline (95% CI).
+STANDING_WORDS = {1: "ahead of", 0: "level with", -1: "behind"}
+
+
+def standing(c: dict | None, m: dict) -> int | None:
+    """+1, 0, -1 where a comparison (arm − baseline on measure m) has the arm significantly ahead, level, behind;
+    None where it is missing or has fewer than 2 seeds (no interval)."""
+    if c is None or c["n_seeds"] < 2 or any(undefined(x) for x in c["ci95"]):
+        return None
+    return (1 if _favours_arm(m)(c) else -1) if significant(c) else 0
+
+
+def _arm_done(summary: dict, arm: str) -> bool:
+    """Whether every cell the experiment plans for this arm has finished (its comparisons are final)."""
+    if by_arm := summary.get("planned_by_arm"):
+        done, total = by_arm.get(arm, (0, 1))
+        return done >= total
+    return summary.get("n_planned_done") == summary.get("n_planned")
+
+
+def across_profiles(title: str, mine: dict, theirs: dict) -> list[str]:
+    """Markdown lines: each comparison of one testbed's controls (sensitivity, stiefel-adam against each arm) at
+    this folder's profile beside another's, with whether the standings agree. mine, theirs: controls summary.json
+    files. A standing is final once both of its arms have every planned run; before that it holds 'so far'."""
+    me, other = mine.get("profile", "this folder's"), theirs.get("profile", "the other folder's")
+    m = mine["controls"]["measure"]
+    if theirs["controls"]["measure"]["name"] != m["name"]:
+        return [
+            f"Across profiles, {title}: profile {other} measures {theirs['controls']['measure']['name']}, "
+            f"profile {me} {m['name']}; not compared."
+        ]
+    unit, digits = m["unit"], DIGITS.get(m["unit"], 2)
+    ours, then = ({(c["arm"], c["baseline"]): c for c in _ranking(s)} for s in (mine, theirs))
+    lines = [
+        f"Across profiles, {title}: each comparison at profile {me} beside profile {other} (ahead, level or behind "
+        "by the 95% CI; untested with fewer than 2 seeds):",
+        "",
+    ]
+    for (arm, baseline), c in ours.items():
+        if (o := then.get((arm, baseline))) is None:
+            continue
+        here, there = standing(c, m), standing(o, m)
+        final = all(_arm_done(s, a) for s in (mine, theirs) for a in (arm, baseline))
+        if here is None or there is None:
+            agree = "not yet comparable"
+        else:
+            agree = ("the same" if here == there else "different") + ("" if final else " so far")
+        said = [f"{_standing_words(cmp, at)} ({fmt_diff(cmp, unit, digits)})" for cmp, at in ((c, here), (o, there))]
+        lines.append(f"- {arm} − {baseline}: {agree}. Profile {me}: {said[0]}; profile {other}: {said[1]}.")
+    for who, one, two in ((other, ours, then), (me, then, ours)):
+        if missing := [f"{arm} − {baseline}" for arm, baseline in one if (arm, baseline) not in two]:
+            lines.append(f"- Not run at profile {who}: {', '.join(missing)}.")
+    return lines
+
+
+def _ranking(summary: dict) -> list[dict]:
+    """The comparisons of a controls summary.json that rank the arms: the sensitivity, stiefel-adam against each."""
+    return [c for c in summary["controls"]["comparisons"] if c["role"] in ("sensitivity", "stiefel-adam vs arm")]
+
+
+def _standing_words(c: dict, at: int | None) -> str:
+    return "untested" if at is None else f"{c['arm']} {STANDING_WORDS[at]} {c['baseline']}"
 
 
 def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | None]]) -> list[str]:
@@ -487,17 +563,27 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
 
 def verdicts_by_testbed(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[tuple]:
     """(testbed title, verdict sentence) per testbed with results, as in geometry_section."""
-    return [(title, row[-1]) for title, row, _ in _testbeds(results_dir, testbeds)]
+    return [(title, row[-1]) for title, row, *_ in _testbeds(results_dir, testbeds).values()]
 
 
-def _testbeds(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[tuple]:
-    """(title, table row, decay summary or None) per testbed with a controls or decay summary."""
-    found = []
+def _testbeds(
+    root: Path, testbeds: list[tuple[str, str, str | None, str | None]], report_dir: Path | None = None, label=False
+) -> dict[str, tuple]:
+    """{family: (title, table row, decay summary or None, controls summary.json or None)} per testbed of the results
+    folder root with a controls or decay summary; links relative to report_dir (default root); label: the row's
+    testbed names its profile."""
+    found = {}
+    prefix = Path(os.path.relpath(root, report_dir)) if report_dir is not None else Path(".")
     for family, title, controls_exp, decay_exp in testbeds:
-        controls = (_load(results_dir / family / str(controls_exp) / "summary.json") or {}).get("controls")
-        decay = (_load(results_dir / family / str(decay_exp) / "summary.json") or {}).get("decay")
+        whole = _load(root / family / str(controls_exp) / "summary.json") or {}
+        controls = whole.get("controls")
+        decay_whole = _load(root / family / str(decay_exp) / "summary.json") or {}
+        decay = decay_whole.get("decay")
         if controls is not None or decay is not None:
-            found.append((title, _testbed_row(f"{family}/{controls_exp}", title, controls, decay), decay))
+            profile = whole.get("profile") or decay_whole.get("profile")
+            named = f"{title}, profile {profile}" if label and profile else title
+            where = (prefix / family / str(controls_exp)).as_posix()
+            found[family] = (title, _testbed_row(where, named, controls, decay), decay, whole or None)
     return found
 
 

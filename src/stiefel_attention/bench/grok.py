@@ -380,10 +380,13 @@ class GrokFamily(Family):
     decay_experiment = "decay"
     mechanism_experiment = "interventions"
 
+    @staticmethod
+    def protocol_seeds(experiment: str, profile: str) -> int:
+        """The seeds an experiment plans by default; the smoke profile only has to run."""
+        return min(2, DEFAULT_SEEDS[experiment]) if profile == "smoke" else DEFAULT_SEEDS[experiment]
+
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
-        if seeds is None:  # the protocol's seeds; the smoke profile only has to run
-            seeds = min(2, DEFAULT_SEEDS[experiment]) if profile == "smoke" else DEFAULT_SEEDS[experiment]
-        return cells(experiment, profile, seeds)
+        return cells(experiment, profile, self.protocol_seeds(experiment, profile) if seeds is None else seeds)
 
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)
@@ -393,7 +396,8 @@ class GrokFamily(Family):
         if experiment == "interventions":  # the figure of the mechanism puts the controls' runs beside them
             seeds = 1 + max((r["config"]["seed"] for r in by_key.values()), default=0)
             context = [by_key[c.key] for c in cells("controls", profile, seeds) if c.key in by_key]
-        return write_grok_report(out_dir, experiment, records, profile, plan=plan, context=context)
+        seeds = self.protocol_seeds(experiment, profile)
+        return write_grok_report(out_dir, experiment, records, profile, plan, context, planned_seeds=seeds)
 
     def claim_rows(self, experiment, summary, link, profile):
         return claim_rows(experiment, summary, link, profile)

@@ -50,9 +50,12 @@ EPOCHS_TO_GROK = time_to(
 )
 
 
-def grok_summary(experiment: str, records: list[dict], context: list[dict] | None = None) -> dict:
+def grok_summary(
+    experiment: str, records: list[dict], context: list[dict] | None = None, planned_seeds: int | None = None
+) -> dict:
     """Per-arm outcomes and, for the study, paired tests (stiefel-adam - adamw) per operation. context: other
-    experiments' records that a summary puts beside its own (interventions: the controls' runs)."""
+    experiments' records that a summary puts beside its own (interventions: the controls' runs). planned_seeds:
+    the paired seeds the experiment plans; a study verdict with fewer holds 'so far'."""
     summary: dict = {"experiment": experiment, "n_records": len(records), "runs": []}
     order = ("op", "weight_decay", "arm", "seed")
     for rec in sorted(records, key=lambda r: (*(r["config"][k] for k in order), variant(r["config"]))):
@@ -105,7 +108,7 @@ def grok_summary(experiment: str, records: list[dict], context: list[dict] | Non
                 "never_grokked": never,
                 "epoch_to_95": st_epoch,
                 "final_val_acc": st_acc,
-                "verdict": _study_verdict(st_epoch, st_acc, never),
+                "verdict": _study_verdict(st_epoch, st_acc, never, planned_seeds),
             }
     elif experiment == "slingshot":
         summary["paper"] = claims.GROK_SLINGSHOT
@@ -214,16 +217,22 @@ def _slingshot_verdict(run: dict) -> str:
     )
 
 
-def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None) -> str:
+def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None, seeds: int | None = None) -> str:
     """The paper's claim: the constrained arm does NOT grok better; the baseline wins (p=0.019).
 
     With n pairs the exact two-sided Wilcoxon p cannot go below 2 / 2^n (0.0625 for 5 pairs), so a
     5-seed study where every pair goes one way and the t-test is significant is reported as such,
-    with that floor named, rather than as "no difference".
+    with that floor named, rather than as "no difference". Below the planned seeds, an effect found is
+    reported with 'so far'; the absence of one decides nothing yet.
     """
     n = st_epoch["n_seeds"]
     if n < 2:
         return "too few seeds to test"
+    if seeds is not None and n < seeds:
+        full = _study_verdict(st_epoch, st_acc, never)
+        if full.startswith(("partly replicates", "untestable")):
+            return f"not decided yet ({n} of {seeds} paired seeds): " + full.split(": ", 1)[1]
+        return f"so far ({n} of {seeds} paired seeds): {full}"
     if never and all(v == n for v in never.values()):
         # Epochs-to-95% carries no information; final accuracy still says which arm is ahead.
         said = f"untestable here: neither arm reaches 95% validation accuracy in any of {n} seeds"
@@ -439,9 +448,10 @@ def write_grok_report(
     profile: str,
     plan: Plan | None = None,
     context: list[dict] | None = None,
+    planned_seeds: int | None = None,
 ) -> dict:
     plots = lambda summary, exp_dir: _grok_plots(summary, records, exp_dir)  # noqa: E731 - needs the curves
-    summary = grok_summary(experiment, records, context)
+    summary = grok_summary(experiment, records, context, planned_seeds)
     return write_experiment(out_dir, experiment, summary, plots, grok_markdown, profile, plan)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from .family import Plan, all_families, get_family
@@ -74,6 +75,8 @@ def write_experiment(
     summary["profile"] = profile
     summary["n_planned"] = plan.total if plan else None
     summary["n_planned_done"] = plan.done if plan else None
+    if plan and plan.done < plan.total and len(plan.by_arm) > 1:  # which arms have run, while the plan is open
+        summary["planned_by_arm"] = {arm: [done, total] for arm, done, total in plan.by_arm}
     summary["plots"] = make_plots(summary, exp_dir) if summary["n_records"] else []
     write_json_atomic(exp_dir / "summary.json", summary)
     (exp_dir / "summary.md").write_text(to_markdown(summary, profile))
@@ -108,13 +111,14 @@ def rebuild_family(family_dir: str | Path, family) -> list[Path]:
     return written
 
 
-def rebuild_all(results_dir: str | Path) -> list[Path]:
-    """Recompute every experiment's summary from results_dir/<family>/runs/*.json alone, then REPORT.md."""
+def rebuild_all(results_dir: str | Path, beside: Sequence[str | Path] = ()) -> list[Path]:
+    """Recompute every experiment's summary from results_dir/<family>/runs/*.json alone, then REPORT.md (with the
+    summaries of the results folders `beside`, as they are, set against this folder's where it compares them)."""
     results_dir = Path(results_dir)
     written = []
     for family in all_families():
         written += rebuild_family(results_dir / family.name, family)
-    written += write_claims_report(results_dir)
+    written += write_claims_report(results_dir, beside)
     return written
 
 
@@ -142,12 +146,14 @@ def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, s
     return rows
 
 
-def write_claims_report(results_dir: str | Path) -> list[Path]:
-    """<dir>/REPORT.md (each claim: paper, measured with CI, verdict, plots) and a short <dir>/README.md."""
+def write_claims_report(results_dir: str | Path, beside: Sequence[str | Path] = ()) -> list[Path]:
+    """<dir>/REPORT.md (each claim: paper, measured with CI, verdict, plots) and a short <dir>/README.md.
+    beside: results folders of other profiles whose rows "When does the geometry dominate?" sets beside this one's."""
     results_dir = Path(results_dir)
+    beside = [Path(b) for b in beside]
     rows = claim_rows(results_dir)
     profiles = sorted({r[1] for r in rows})
-    cmd = f"stiefel-attention report {results_dir.as_posix()}"
+    cmd = f"stiefel-attention report {results_dir.as_posix()}" + "".join(f" --beside {b.as_posix()}" for b in beside)
     missing = [
         f"{f.name}/{e}"
         for f in all_families()
@@ -176,7 +182,7 @@ def write_claims_report(results_dir: str | Path) -> list[Path]:
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", finish]
     testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
-    geometry = geometry_section(results_dir, testbeds)
+    geometry = geometry_section(results_dir, testbeds, beside)
     lines += ["", *geometry] if geometry else []
     mechanism = mechanism_section(results_dir, [(f.name, f.title, f.mechanism_experiment) for f in all_families()])
     lines += mechanism
