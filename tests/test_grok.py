@@ -520,6 +520,37 @@ def test_a_run_cut_off_and_resumed_from_its_checkpoint_ends_as_one_never_cut_off
     assert again.resumed() == [{"from": 0, "code_version": "abc"}, {"from": 38, "code_version": "def"}]
     wrong = Checkpoint(path, "another run", stretch)  # a checkpoint is resumed only by the run it came from
     assert wrong.load() is None and wrong.resumed() is None
+    walls = resumed["timings"]["walls"]  # the wall-clock of every stretch, the earlier ones to their checkpoint
+    assert "walls" not in whole["timings"] and len(walls) == 2 and all(w > 0 for w in walls)
+    assert resumed["timings"]["total_s"] == pytest.approx(sum(walls))
+
+
+def test_a_resumed_run_whose_earlier_stretches_were_not_timed_has_no_wall_clock(tmp_path):
+    """A checkpoint saved before stretches were timed: the record cannot know the run's wall-clock, and says so."""
+    import torch
+
+    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
+    from stiefel_attention.bench.partial import Checkpoint
+
+    cfg = grok.make_config("smoke", "stiefel-adam", 0, "+", epochs=30, eval_every=10)
+    path = tmp_path / "run.pt"
+    with pytest.raises(_CutOff):
+        grok.run(cfg, device="cpu", progress=_cut_at(12), checkpoint=Checkpoint(path, "k", {}, every_s=0))
+    blob = torch.load(path, weights_only=True)
+    del blob["state"]["walls"]  # as the checkpoints of the code before this one
+    torch.save(blob, path)
+    again = Checkpoint(path, "k", {}, every_s=1e9)
+    result = grok.run(cfg, device="cpu", checkpoint=again)
+    assert result["timings"]["total_s"] is None and result["timings"]["walls"][0] is None
+    whole = grok.run(cfg, device="cpu")
+    records = [
+        {"config": cfg, **whole},
+        {"config": {**cfg, "seed": 1}, **result, "resumed": again.resumed()},
+        {"config": {**cfg, "seed": 2}, **whole, "resumed": again.resumed()},  # a record of that code: the last stretch
+    ]
+    summary = grok_summary("single", records)
+    assert [r["total_s"] is None for r in summary["runs"]] == [False, True, True]
+    assert "; 2 resumed runs left out (not every stretch timed)." in grok_markdown(summary, "smoke")
 
 
 def test_the_runner_resumes_a_cut_off_run_names_its_stretches_and_removes_the_checkpoint(tmp_path, capsys):

@@ -245,8 +245,10 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
     first_grok = None
     t_train = 0.0
     start = 1
+    walls: list[float | None] = []  # wall-clock of each earlier stretch, up to its last checkpoint
     saved = checkpoint.load() if checkpoint is not None else None
     if saved is not None:
+        walls = saved.get("walls", [None])  # None: a checkpoint written before stretches were timed
         model.load_state_dict(saved["model"])
         for o, state in zip(opts, saved["opts"]):
             o.load_state_dict(state)
@@ -302,10 +304,16 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
                 "counters": (clip_heads, clip_steps, first_grok, t_train),
                 "rng": torch.get_rng_state(),
                 "epoch": epoch,
+                "walls": [*walls, time.perf_counter() - t_start],
             }
             checkpoint.save(epoch, state)
         if progress is not None:
             progress(epoch, cfg["epochs"])
+    wall = time.perf_counter() - t_start
+    timings = {"train_s": t_train, "total_s": wall}
+    if saved is not None:  # a resumed run: total_s covers every stretch, or is unknown (None)
+        timings["walls"] = [*walls, wall]
+        timings["total_s"] = None if None in walls else sum(timings["walls"])
     return {
         "metrics": {
             "final_val_acc": log["val_acc"][-1],
@@ -317,8 +325,7 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
         },
         "curves": {**log, "mechanism": mechanism},
         "timings": {
-            "train_s": t_train,
-            "total_s": time.perf_counter() - t_start,
+            **timings,
             "epochs_per_s": cfg["epochs"] / t_train,
             "device": str(device),
             "threads": torch.get_num_threads(),

@@ -50,6 +50,15 @@ EPOCHS_TO_GROK = time_to(
 )
 
 
+def _wall_clock(rec: dict) -> float | None:
+    """A run's wall-clock time, evaluation included; None where unknown: a resumed run whose record does not
+    time each stretch (its total_s is then the last stretch's alone)."""
+    timings = rec["timings"]
+    if rec.get("resumed") and "walls" not in timings:
+        return None
+    return timings.get("total_s")
+
+
 def grok_summary(
     experiment: str, records: list[dict], context: list[dict] | None = None, planned_seeds: int | None = None
 ) -> dict:
@@ -73,7 +82,7 @@ def grok_summary(
                 "max_qk_isometry": m["max_qk_isometry"],
                 "collapses": m["collapses"],
                 "epochs_per_s": rec["timings"]["epochs_per_s"],
-                "total_s": rec["timings"].get("total_s"),
+                "total_s": _wall_clock(rec),
             }
         )
     if experiment == "single":
@@ -288,12 +297,19 @@ def grok_markdown(summary: dict, profile: str) -> str:
     lines.append("")
     rates = [r["epochs_per_s"] for r in summary["runs"] if r.get("epochs_per_s")]
     walls = [r["total_s"] for r in summary["runs"] if r.get("total_s")]
+    untimed = sum(r.get("total_s") is None for r in summary["runs"])
     if rates and walls:
         lines += [
             "Speed as run (the records' own timings): "
             f"median {statistics.median(rates):.1f} training epochs/s per run; "
             f"wall-clock per run, evaluation included, median {statistics.median(walls) / 60:.1f} min "
-            f"(range {min(walls) / 60:.1f}-{max(walls) / 60:.1f}).",
+            f"(range {min(walls) / 60:.1f}-{max(walls) / 60:.1f})"
+            + (
+                f"; {untimed} resumed {'run' if untimed == 1 else 'runs'} left out (not every stretch timed)"
+                if untimed
+                else ""
+            )
+            + ".",
             "",
         ]
     if exp == "single":
