@@ -364,6 +364,7 @@ def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, cap
     assert cli.main(["rerun", str(path)]) == 0
     assert "identical" in capsys.readouterr().out
     record = json.loads(path.read_text())
+    made = dict(record["metrics"])
     record["curves"]["val_acc"][3] += 1e-9
     path.write_text(json.dumps(record))
     assert cli.main(["rerun", str(path)]) == 1
@@ -372,6 +373,13 @@ def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, cap
     epoch = record["curves"]["epoch"][3]
     assert f"first differs at epoch {epoch} by" in out
     assert f"re-run on {record['host']['cpu']} ({record['host']['isa']}), the same" in out
+    record["metrics"] |= {"final_val_acc": 0.25, "epoch_val_acc_95": None if made["epoch_val_acc_95"] else 123}
+    path.write_text(json.dumps(record))
+    assert cli.main(["rerun", str(path)]) == 1
+    out = capsys.readouterr().out  # each changed metric: the recorded value, then the re-run's (None: never)
+    assert f"metrics.final_val_acc (0.25 → {made['final_val_acc']:.6g}; relative" in out
+    grokked = made["epoch_val_acc_95"]
+    assert f"metrics.epoch_val_acc_95 ({'never → ' + str(grokked) if grokked else '123 → never'})" in out
     assert cli.main(["rerun", str(tmp_path / "nothing.json")]) == 2
 
 
@@ -575,4 +583,5 @@ def test_the_runner_resumes_a_cut_off_run_names_its_stretches_and_removes_the_ch
     assert record["metrics"] == whole[cell.key]["metrics"] and record["curves"] == whole[cell.key]["curves"]
     assert [s["from"] for s in record["resumed"]] == [0, 25] and record["resumed"][0]["code_version"] == "old"
     assert record["resumed"][1]["code_version"] == record["code_version"]
+    assert {k: record["resumed"][1][k] for k in ("cpu", "isa")} == record["host"]  # the kernels a stretch ran
     assert json.loads(cell.path(runs).read_text())["resumed"] == record["resumed"]

@@ -6,9 +6,10 @@ A run of a family with `resumable = True` gets a `Checkpoint` from the runner: t
 deletes the file once the run's record is written. The file sits beside the records,
 `<runs_dir>/.partial/<name>-<key>.pt`, and holds the cell's key, so a state is only ever resumed by the run
 it came from. Every stretch of a run says which code ran it: a resumed run's record lists the stretches
-(`resumed`: the step each started from, its code version and host), so a run finished by newer code than
-it started with is visible, never silent. Resuming continues the same computation: a run cut off and
-resumed ends with the record of a run never cut off (timings aside), which the tests check.
+(`resumed`: the step each started from, its code version, CPU and vector instruction set), so a run
+finished by newer code than it started with is visible, never silent. Resuming continues the same
+computation: a run cut off and resumed ends with the record of a run never cut off (timings aside), which
+the tests check.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
     runs_dir, every_s = options.pop("checkpoint_dir", None), options.pop("checkpoint_every_s", 300.0)
     checkpoint = None
     if runs_dir is not None and family.resumable:
-        stretch = {"code_version": version, "cpu": host()["cpu"], "threads": torch.get_num_threads()}
+        stretch = {"code_version": version, **host(), "threads": torch.get_num_threads()}
         checkpoint = Checkpoint(checkpoint_path(runs_dir, cell.name, cell.key), cell.key, stretch, every_s)
         options["checkpoint"] = checkpoint
     try:
@@ -463,8 +463,9 @@ def run_cells(
 def record_differences(old: dict, new: dict) -> list[str]:
     """Where two records of one cell disagree in what the run measured: metrics and curves, compared
     exactly, over the keys both have (a record made before a metric existed lacks it; timings and
-    provenance are not results). Each entry names the key and, for numbers, the largest relative gap; for
-    a curve, also the first evaluation point that differs (round-off agrees to ~1e-7 there and may grow
+    provenance are not results). Each entry names the key and, for numbers, the largest relative gap (for a
+    metric, first the recorded and the new value, None said 'never'); for a curve, also the first evaluation
+    point that differs (round-off agrees to ~1e-7 there and may grow
     later in a chaotic run; a change in the code usually differs by more, or from the start)."""
     diffs = []
     if old.get("key") != new.get("key"):
@@ -475,7 +476,7 @@ def record_differences(old: dict, new: dict) -> list[str]:
         a, b = old.get(part, {}), new.get(part, {})
         for k in sorted(set(a) & set(b)):
             if a[k] != b[k]:
-                details = []
+                details = [f"{_said(a[k])} → {_said(b[k])}"] if part == "metrics" and _scalar(a[k], b[k]) else []
                 gap = _largest_relative_gap(a[k], b[k])
                 if gap is not None:
                     details.append(f"relative {gap:.1e}")
@@ -487,6 +488,15 @@ def record_differences(old: dict, new: dict) -> list[str]:
                         )
                 diffs.append(f"{part}.{k}" + (f" ({'; '.join(details)})" if details else ""))
     return diffs
+
+
+def _scalar(*values) -> bool:
+    return all(v is None or isinstance(v, (int, float)) for v in values)
+
+
+def _said(x) -> str:
+    """A metric's value for the rerun line: 'never' for a time never reached (None), numbers to 6 digits."""
+    return "never" if x is None else f"{x:.6g}"
 
 
 def _first_difference(a, b) -> int | None:
