@@ -450,12 +450,12 @@ def geometry_section(
 STANDING_WORDS = {1: "ahead of", 0: "level with", -1: "behind"}
 
 
-def standing(c: dict | None, m: dict) -> int | None:
-    """+1, 0, -1 where a comparison (arm − baseline on measure m) has the arm significantly ahead, level, behind;
-    None where it is missing or has fewer than 2 seeds (no interval)."""
-    if c is None or c["n_seeds"] < 2 or any(undefined(x) for x in c["ci95"]):
+def standing(c: dict | None, higher_is_better: bool) -> int | None:
+    """+1, 0, -1 where a comparison (arm − baseline) has the arm significantly ahead, level, behind (95% CI) on a
+    measure where higher (or lower) is better; None where it is missing or has fewer than 2 seeds."""
+    if c is None or c["n_seeds"] < 2:
         return None
-    return (1 if _favours_arm(m)(c) else -1) if significant(c) else 0
+    return (1 if (c["mean_diff"] > 0) == higher_is_better else -1) if significant(c) else 0
 
 
 def _arm_done(summary: dict, arm: str) -> bool:
@@ -487,7 +487,7 @@ def across_profiles(title: str, mine: dict, theirs: dict) -> list[str]:
     for (arm, baseline), c in ours.items():
         if (o := then.get((arm, baseline))) is None:
             continue
-        here, there = standing(c, m), standing(o, m)
+        here, there = standing(c, m["higher_is_better"]), standing(o, m["higher_is_better"])
         final = all(_arm_done(s, a) for s in (mine, theirs) for a in (arm, baseline))
         if here is None or there is None:
             agree = "not yet comparable"
@@ -655,10 +655,8 @@ def _verdict(
                 f"W_Q, W_K matter here, but training them with adamw hurts: frozen random frames do better ({gap})"
             ]
     testable = [c for c in vs if c["n_seeds"] >= 2]
-    ahead = [c["baseline"] for c in testable if significant(c) and better(c)]
-    behind = [c["baseline"] for c in testable if significant(c) and not better(c)]
-    tied = [c["baseline"] for c in testable if not significant(c)]
-    few = [c["baseline"] for c in vs if c["n_seeds"] < 2]
+    standings = [(c["baseline"], standing(c, m["higher_is_better"])) for c in vs]
+    ahead, tied, behind, few = ([b for b, at in standings if at == which] for which in (1, 0, -1, None))
     for names, words in (
         (ahead, "stiefel-adam is ahead of"),
         (tied, "no significant difference from"),

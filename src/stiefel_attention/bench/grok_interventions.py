@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
-from .geometry import Measure, compare, significant
+from .geometry import Measure, compare, standing
 from .stats import describe
 
 PROTOCOL_SEEDS = 5  # paired seeds of the interventions experiment (grok.DEFAULT_SEEDS takes it from here)
@@ -72,10 +72,9 @@ def _standing(c: dict | None) -> int | None:
 
     On epochs to 95% (fewer is better), unless every run of both is censored there (all equal to the budget + 1):
     then on final validation accuracy (higher is better), the measure that still tells such runs apart."""
-    if c is None or c["n_seeds"] < 2:  # one pair has no spread: nothing to test yet
+    if c is None:
         return None
-    st, sign = (c["final_val_acc"], 1) if c["all_censored"] else (c, -1)
-    return sign * (1 if st["mean_diff"] > 0 else -1) if significant(st) else 0
+    return standing(c["final_val_acc"], True) if c["all_censored"] else standing(c, False)
 
 
 def _on(c: dict | None) -> str:

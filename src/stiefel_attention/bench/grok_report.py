@@ -237,14 +237,23 @@ def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None, seed
     n = st_epoch["n_seeds"]
     if n < 2:
         return "too few seeds to test"
-    if seeds is not None and n < seeds:
-        full = _study_verdict(st_epoch, st_acc, never)
-        if full.startswith(("partly replicates", "untestable")):
-            return f"not decided yet ({n} of {seeds} paired seeds): " + full.split(": ", 1)[1]
-        return f"so far ({n} of {seeds} paired seeds): {full}"
+    found, said = _study_finding(st_epoch, st_acc, never)
+    verdict = {"untestable": "untestable here", None: "partly replicates", "stiefel": "does not replicate"}
+    verdict["baseline"] = "replicates"
+    if seeds is None or n >= seeds:
+        return f"{verdict[found]}: {said}"
+    if found in ("untestable", None):
+        return f"not decided yet ({n} of {seeds} paired seeds): {said}"
+    return f"so far ({n} of {seeds} paired seeds): {verdict[found]}: {said}"
+
+
+def _study_finding(st_epoch: dict, st_acc: dict, never: dict | None) -> tuple[str | None, str]:
+    """What the study's pairs show, and it in words: 'untestable' (no run of either arm reaches 95%), None (no
+    significant difference), or the arm that groks faster, 'stiefel' or 'baseline'."""
+    n = st_epoch["n_seeds"]
     if never and all(v == n for v in never.values()):
         # Epochs-to-95% carries no information; final accuracy still says which arm is ahead.
-        said = f"untestable here: neither arm reaches 95% validation accuracy in any of {n} seeds"
+        said = f"neither arm reaches 95% validation accuracy in any of {n} seeds"
         if st_acc["mean_diff"] != 0:
             ahead, wins = (
                 ("the Stiefel arm", st_acc["wins"]) if st_acc["mean_diff"] > 0 else ("the baseline", st_acc["losses"])
@@ -253,7 +262,7 @@ def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None, seed
                 f"; final val acc: {ahead} ahead in {wins}/{n} seeds, "
                 f"{st_acc['mean_diff']:+.1f} pp, p_t={fmt_p(st_acc['p_t'])}"
             )
-        return said
+        return "untestable", said
     faster = st_epoch["mean_diff"] < 0  # stiefel reaches 95% in fewer epochs
     who = "the Stiefel arm" if faster else "the baseline"
     wins = st_epoch["losses"] if faster else st_epoch["wins"]  # fewer epochs is a win
@@ -265,11 +274,8 @@ def _study_verdict(st_epoch: dict, st_acc: dict, never: dict | None = None, seed
             f"{fmt_p(st_epoch['p_wilcoxon'])} is the smallest {n} pairs allow)"
         )
     else:
-        return (
-            "partly replicates: no significant difference in epochs to 95% "
-            "(the paper reports a significant baseline win)"
-        )
-    return ("does not replicate: " if faster else "replicates: ") + said
+        return None, "no significant difference in epochs to 95% (the paper reports a significant baseline win)"
+    return ("stiefel" if faster else "baseline"), said
 
 
 def grok_markdown(summary: dict, profile: str) -> str:
