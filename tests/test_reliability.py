@@ -4,6 +4,7 @@ foreign state dicts, bad param groups, models built on the meta device and half-
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -30,6 +31,7 @@ from stiefel_attention import (
     stiefelize,
 )
 from stiefel_attention.bench import cli, grok, lm
+from stiefel_attention.bench import family as family_module
 from stiefel_attention.bench import runner as runner_module
 from stiefel_attention.bench.errors import DataError, UserError
 from stiefel_attention.bench.family import with_data
@@ -277,7 +279,8 @@ def test_a_file_that_is_not_a_record_is_named_skipped_and_the_run_redone(tmp_pat
     assert cell.path(runs).name in err and "notes.json" in err and why in err
     records, _ = run_cells([cell], runs, InlineExecutor(), progress=False)
     assert read_record(cell.path(runs)) == records[cell.key]  # redone; its record replaced the file
-    assert cli.main(["report", str(tmp_path)]) == 0  # report reads the folder without a traceback
+    # report reads the folder without a traceback (the cell is a test's, no experiment's: it is left out, by request)
+    assert cli.main(["report", str(tmp_path), "--leave-out-unplanned"]) == 0
 
 
 # --- 6. report on one family's folder -------------------------------------------------------------
@@ -296,6 +299,52 @@ def test_report_on_a_family_folder_rebuilds_its_summaries(tmp_path, capsys):
     empty.mkdir()
     assert cli.main(["report", str(empty)]) == 2
     assert "holds no run records" in capsys.readouterr().err and not (empty / "REPORT.md").exists()
+
+
+def _old_protocol_record(runs: Path) -> Cell:
+    """Beside a finished record, one of a cell the current code does not plan (its lr changed since)."""
+    rec = read_record(sorted(runs.glob("*.json"))[0])
+    config = {**rec["config"], "lr": rec["config"]["lr"] * 3}
+    cell = Cell(rec["family"], rec["name"] + "-earlier", config)
+    old = {**rec, "name": cell.name, "key": cell.key, "config": config, "code_version": "0ld0ld0"}
+    write_json_atomic(cell.path(runs), old)
+    return cell
+
+
+def test_report_never_leaves_a_record_out_or_shows_an_old_summary_without_saying_so(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "results"
+    grok_dir = out / "grok"
+    assert cli.main(smoke_args("grok", "single", grok_dir)) == 0
+    n_runs = len(list((grok_dir / "runs").glob("*.json")))
+    earlier = _old_protocol_record(grok_dir / "runs")
+    summaries = {path: path.read_bytes() for path in out.rglob("summary.*")}
+    capsys.readouterr()
+    for where in (out, grok_dir):  # a whole results folder, or one family's
+        assert cli.main(["report", str(where)]) == 2
+        err = capsys.readouterr().err
+        assert f"1 of its {n_runs + 1} records are cells no experiment of this code plans at profile smoke" in err
+        assert "made by code 0ld0ld0" in err and f"`{earlier.name}`" in err and "--leave-out-unplanned" in err
+        assert "Traceback" not in err and err.count("\n") == 1
+        assert not (out / "REPORT.md").exists() and {p: p.read_bytes() for p in out.rglob("summary.*")} == summaries
+    # asked to, it reports without it, and REPORT.md and README.md name what was left out and the flag
+    assert cli.main(["report", str(out), "--leave-out-unplanned"]) == 0
+    assert json.loads((grok_dir / "single" / "summary.json").read_text())["n_records"] == n_runs
+    for name in ("REPORT.md", "README.md"):
+        text = (out / name).read_text()
+        assert f"`stiefel-attention report {out.as_posix()} --leave-out-unplanned`" in text
+        assert "Left out of every summary" in text and f"`{earlier.name}`" in text
+    # a summary no experiment would write now (an experiment since renamed): refused, flag or not
+    stale = grok_dir / "renamed" / "summary.json"
+    stale.parent.mkdir()
+    stale.write_bytes(summaries[grok_dir / "single" / "summary.json"])
+    assert cli.main(["report", str(out), "--leave-out-unplanned"]) == 2
+    assert f"{stale.as_posix()}: this code writes no summary there" in capsys.readouterr().err
+    # reproduce says so before certifying or running anything
+    monkeypatch.setattr(family_module, "FAMILY_MODULES", ("grok",))  # no dataset needed to get that far
+    argv = ["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1", "--no-progress"]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "this code writes no summary there" in captured.err and "== certify" not in captured.out
 
 
 # --- 7, 8. a text too short, a device that is not there -------------------------------------------

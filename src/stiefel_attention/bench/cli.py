@@ -204,6 +204,9 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
     for family in families:  # data, output folders: say so now, not after certification or an hour in
         _check_folder(family, out / family.name / "runs", args.profile, family.run_options(args))
+    from .report import check_placed, place_records
+
+    check_placed([place_records(out / f.name, f) for f in families], args.leave_out_unplanned)  # the final report's
     print(f"== certify (float64) -> {out / 'certify.json'}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     if _cmd_certify(argparse.Namespace(json=str(out / "certify.json"), seed=0)) != 0:
@@ -239,7 +242,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             if sub.func(sub) != 0:
                 failed.append(f"{family.name} {experiment}")
     print(f"\n== report {out}", flush=True)
-    _cmd_report(argparse.Namespace(dir=str(out), beside=[]))
+    _cmd_report(argparse.Namespace(dir=str(out), beside=[], leave_out_unplanned=args.leave_out_unplanned))
     print(f"\nclaim by claim: {out / 'REPORT.md'}")
     if failed:
         print(f"some runs failed in: {', '.join(failed)} (rerun the same command to retry only those)", file=sys.stderr)
@@ -306,16 +309,25 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if len(names) != 1 or not names <= set(FAMILY_MODULES):
             raise UserError(f"{where / 'runs'} holds records of {', '.join(sorted(names))}: expected one family's")
         family = get_family(names.pop())
-        for path in rebuild_family(where, family):
+        for path in rebuild_family(where, family, args.leave_out_unplanned):
             print(f"wrote {path}")
         print(f"REPORT.md covers a whole results folder: stiefel-attention report {where.parent.as_posix()}")
         return 0
     for other in args.beside:
         if not Path(other).is_dir() or Path(other).resolve() == where.resolve():
             raise UserError(f"--beside {other}: expected another results folder (e.g. results), next to {args.dir}")
-    for path in rebuild_all(where, args.beside):
+    for path in rebuild_all(where, args.beside, args.leave_out_unplanned):
         print(f"wrote {path}")
     return 0
+
+
+def _add_leave_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--leave-out-unplanned",
+        action="store_true",
+        help="report even if some records are cells no experiment of this code plans (an earlier protocol's, or "
+        "a non-default option's); REPORT.md names them. Without it such a report is refused",
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -407,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for family in families:
         family.add_reproduce_arguments(p)
+    _add_leave_out(p)
     _add_run_args(p)
     p.set_defaults(func=_cmd_reproduce)
 
@@ -427,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="another profile's results folder (repeatable): REPORT.md's 'When does the geometry dominate?' sets its "
         "rows beside this folder's and compares each standing (its summaries are read, not rebuilt)",
     )
+    _add_leave_out(p)
     p.set_defaults(func=_cmd_report)
     return parser
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from .family import Plan, all_families, get_family
+from .errors import UserError
+from .family import Family, Plan, all_families, get_family
 from .fmt import fmt_ci, fmt_p, fmt_t
 from .geometry import geometry_section, mechanism_section, verdicts_by_testbed
 from .records import read_record, write_json_atomic
@@ -26,6 +28,9 @@ __all__ = [
     "write_experiment",
     "rebuild_all",
     "rebuild_family",
+    "Placement",
+    "place_records",
+    "check_placed",
     "claim_rows",
     "comparison_rows",
     "write_claims_report",
@@ -83,8 +88,26 @@ def write_experiment(
     return summary
 
 
-def rebuild_family(family_dir: str | Path, family) -> list[Path]:
-    """Recompute every summary of one family's folder (<family_dir>/runs/*.json) from its records alone."""
+@dataclass(frozen=True)
+class Placement:
+    """Which of one family folder's records each experiment's summary takes, and what nothing takes.
+
+    unplaced: records that are cells of no experiment this code plans (an earlier protocol's, or a non-default
+    option's such as cifar's --n); stale: summaries under the folder that no experiment would write now. A report
+    that wrote past either would drop records or reread an old summary without saying so.
+    """
+
+    family: Family
+    family_dir: Path
+    profile: str | None
+    by_key: dict[str, dict]
+    experiments: dict[str, list[dict]]
+    unplaced: list[dict]
+    stale: list[Path]
+
+
+def place_records(family_dir: str | Path, family: Family) -> Placement:
+    """Every record of one family's folder (<family_dir>/runs/*.json) sorted into the experiments that take it."""
     family_dir = Path(family_dir)
     runs = family_dir / "runs"
     by_key = {r["key"]: r for r in load_records(runs, family.name)}
@@ -100,26 +123,83 @@ def rebuild_family(family_dir: str | Path, family) -> list[Path]:
             f"{runs} mixes records made from {len(signatures)} different datasets; keep one dataset per results "
             "folder (move one set of records out) and report each folder"
         )
+    profile = profiles[0] if profiles else None
+    experiments = {}
+    for exp in family.experiments if profile else ():
+        if finished := family.experiment_records(exp, profile, by_key):
+            experiments[exp] = finished
+    taken = {r["key"] for finished in experiments.values() for r in finished}
+    unplaced = [r for key, r in sorted(by_key.items()) if key not in taken]
+    stale = [s for s in sorted(family_dir.glob("*/summary.json")) if s.parent.name not in experiments]
+    return Placement(family, family_dir, profile, by_key, experiments, unplaced, stale)
+
+
+def _code_versions(records: list[dict]) -> str:
+    return ", ".join(sorted({str(r.get("code_version", "?"))[:7] for r in records}))
+
+
+def unplaced_line(p: Placement) -> str:
+    """One line naming the records of p that no summary takes: how many, which code made them, two examples."""
+    names = ", ".join(f"`{r['name']}`" for r in p.unplaced[:2])
+    return (
+        f"{(p.family_dir / 'runs').as_posix()}: {len(p.unplaced)} of its {len(p.by_key)} records are cells no "
+        f"experiment of this code plans at profile {p.profile} (made by code {_code_versions(p.unplaced)}; "
+        f"e.g. {names})"
+    )
+
+
+def check_placed(placements: Sequence[Placement], leave_out_unplanned: bool = False) -> None:
+    """Refuse (UserError, before anything is written) a report that would drop records or reread an old summary."""
+    problems = [
+        f"{s.as_posix()}: this code writes no summary there (no experiment it plans takes a record of "
+        f"{(p.family_dir / 'runs').as_posix()} for it), so a report would show that file unchanged; delete its "
+        "folder or move it out with its records"
+        for p in placements
+        for s in p.stale
+    ]
+    unplaced = [p for p in placements if p.unplaced]
+    if unplaced and not leave_out_unplanned:
+        problems += [
+            "; ".join(unplaced_line(p) for p in unplaced) + ". A report would leave them out of every summary: "
+            "move them to a results folder of their own, or pass --leave-out-unplanned (REPORT.md then names them)"
+        ]
+    if problems:
+        raise UserError(
+            "; ".join(problems) + ". A folder made by an earlier protocol is reported with the code that made it "
+            "(git worktree add DIR COMMIT)"
+        )
+
+
+def write_placed(p: Placement) -> list[Path]:
+    """Recompute each summary of one placed family folder from its records alone."""
     written = []
-    for profile in profiles:
-        for exp in family.experiments:
-            finished = family.experiment_records(exp, profile, by_key)
-            if not finished:
-                continue
-            family.write_summary(family_dir, exp, finished, profile, family.plan(exp, profile, finished), by_key)
-            written.append(family_dir / exp / "summary.json")
+    for exp, finished in p.experiments.items():
+        p.family.write_summary(
+            p.family_dir, exp, finished, p.profile, p.family.plan(exp, p.profile, finished), p.by_key
+        )
+        written.append(p.family_dir / exp / "summary.json")
     return written
 
 
-def rebuild_all(results_dir: str | Path, beside: Sequence[str | Path] = ()) -> list[Path]:
+def rebuild_family(family_dir: str | Path, family: Family, leave_out_unplanned: bool = False) -> list[Path]:
+    """Recompute every summary of one family's folder (<family_dir>/runs/*.json) from its records alone."""
+    placement = place_records(family_dir, family)
+    check_placed([placement], leave_out_unplanned)
+    return write_placed(placement)
+
+
+def rebuild_all(
+    results_dir: str | Path, beside: Sequence[str | Path] = (), leave_out_unplanned: bool = False
+) -> list[Path]:
     """Recompute every experiment's summary from results_dir/<family>/runs/*.json alone, then REPORT.md (with the
-    summaries of the results folders `beside`, as they are, set against this folder's where it compares them)."""
+    summaries of the results folders `beside`, as they are, set against this folder's where it compares them).
+    Every record is taken by some summary, or the report is refused before anything is written (check_placed)."""
     results_dir = Path(results_dir)
-    written = []
-    for family in all_families():
-        written += rebuild_family(results_dir / family.name, family)
-    written += write_claims_report(results_dir, beside)
-    return written
+    placements = [place_records(results_dir / family.name, family) for family in all_families()]
+    check_placed(placements, leave_out_unplanned)
+    written = [path for p in placements for path in write_placed(p)]
+    left_out = [unplaced_line(p) for p in placements if p.unplaced]
+    return written + write_claims_report(results_dir, beside, left_out)
 
 
 def fmt_comparison(c: dict) -> str:
@@ -146,14 +226,20 @@ def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, s
     return rows
 
 
-def write_claims_report(results_dir: str | Path, beside: Sequence[str | Path] = ()) -> list[Path]:
+def write_claims_report(
+    results_dir: str | Path, beside: Sequence[str | Path] = (), left_out: Sequence[str] = ()
+) -> list[Path]:
     """<dir>/REPORT.md (each claim: paper, measured with CI, verdict, plots) and a short <dir>/README.md.
-    beside: results folders of other profiles whose rows "When does the geometry dominate?" sets beside this one's."""
+    beside: results folders of other profiles whose rows "When does the geometry dominate?" sets beside this one's.
+    left_out: one line per family folder whose records no summary takes (unplaced_line), said in both files."""
     results_dir = Path(results_dir)
     beside = [Path(b) for b in beside]
     rows = claim_rows(results_dir)
     profiles = sorted({r[1] for r in rows})
     cmd = f"stiefel-attention report {results_dir.as_posix()}" + "".join(f" --beside {b.as_posix()}" for b in beside)
+    cmd += " --leave-out-unplanned" if left_out else ""
+    left = ["", "Left out of every summary (records of cells this code does not plan):", ""] if left_out else []
+    left += [f"- {line}" for line in left_out]
     missing = [
         f"{f.name}/{e}"
         for f in all_families()
@@ -180,7 +266,7 @@ def write_claims_report(results_dir: str | Path, beside: Sequence[str | Path] = 
         "|---|---|---|---|---|---|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    lines += ["", finish]
+    lines += ["", finish, *left]
     testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
     geometry = geometry_section(results_dir, testbeds, beside)
     lines += ["", *geometry] if geometry else []
@@ -205,7 +291,7 @@ def write_claims_report(results_dir: str | Path, beside: Sequence[str | Path] = 
     if verdicts:
         glance += ["", "When does the geometry dominate? One verdict per testbed (the section of REPORT.md):", ""]
         glance += [f"- {title}: {verdict_}" for title, verdict_ in verdicts]
-    glance += ["", finish]
+    glance += ["", finish, *left]
     readme = results_dir / "README.md"
     readme.write_text("\n".join(glance) + "\n")
     return [report, readme]
