@@ -444,6 +444,29 @@ def test_report_never_pools_scaling_runs_into_main(tmp_path):
     }
 
 
+def test_runs_that_no_report_of_the_folder_would_take_are_refused_before_they_run(
+    tmp_path, fake_cifar, capsys, monkeypatch
+):
+    # main at the profile's n is in the folder; main at another --n there would be left out of every summary
+    for key, value in (("n_test", None), ("n_val", 50)):  # within the fake set
+        monkeypatch.setitem(cifar.PROFILES["smoke"], key, value)
+    out = tmp_path / "cifar"
+    data = cifar.FAMILY.data_key({"data": fake_cifar})
+    for cell in with_data(cifar.cells("main", "smoke", 2), data):
+        write_json_atomic(cell.path(out / "runs"), _cell_record(cell, 0.5))
+    before = sorted(p.name for p in (out / "runs").glob("*.json"))
+    argv = ["cifar", "--experiment", "main", "--profile", "smoke", "--data", fake_cifar, "--no-progress", "--jobs", "1"]
+    n_other = 50
+    assert cli.main([*argv, "--n", str(n_other), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"would be records that no summary of {out} takes" in err and "--out DIR" in err and "Traceback" not in err
+    assert sorted(p.name for p in (out / "runs").glob("*.json")) == before and not (out / "main").exists()
+    # in a folder of their own they are that experiment, and report takes every record
+    assert cli.main([*argv, "--n", str(n_other), "--out", str(tmp_path / "other" / "cifar"), "--seeds", "1"]) == 0
+    assert json.loads((tmp_path / "other" / "cifar" / "main" / "summary.json").read_text())["n_records"] == 5
+    assert cli.main(["report", str(tmp_path / "other")]) == 0
+
+
 def test_report_refuses_mixed_profiles_and_cli_keeps_smoke_out_of_results(tmp_path, fake_cifar, monkeypatch):
     runs = tmp_path / "cifar" / "runs"
     for profile in ("cpu", "smoke"):

@@ -125,6 +125,22 @@ def _check_folder(family, runs_dir: Path, profile: str, run_options: dict) -> No
         check_folder(runs_dir, profile, data, run_options.get("data"), claims, hint)
 
 
+def _check_reportable(family, out: Path, cells: list, what: str) -> None:
+    """Before any run: `report` on the folder will take every record these cells write, rather than leave it out
+    (cells of a non-default option, such as cifar's --n, beside the records of the default's)."""
+    from .report import place_records
+
+    to_come = [{"name": c.name, "key": c.key, "family": c.family, "config": c.config} for c in cells]
+    mine = {c.key for c in cells}
+    left = [r["name"] for r in place_records(out, family, to_come).unplaced if r["key"] in mine]
+    if left:
+        raise UserError(
+            f"{what}: {len(left)} of its {len(cells)} runs (e.g. {left[0]}) would be records that no summary of "
+            f"{out} takes, beside the records there of the same experiment at its default settings (which `report` "
+            "reports); run them into a results folder of their own (--out DIR), where they are that experiment"
+        )
+
+
 def _check_device(device: str | None) -> None:
     """--device names a device this machine has: checked once, before any run, not by every run failing."""
     if device is None:
@@ -166,6 +182,7 @@ def _family_command(args: argparse.Namespace) -> int:
     cells = with_data(cells, family.data_key(run_options))
     out = Path(args.out or default_results_dir(args.profile) / family.name)
     _check_folder(family, out / "runs", args.profile, run_options)
+    _check_reportable(family, out, cells, f"{family.name} --experiment {args.experiment}")
     about = family.describe(run_options)
     print(
         f"{family.name} {args.experiment}: {len(cells)} runs (profile {args.profile})"

@@ -106,11 +106,12 @@ class Placement:
     stale: list[Path]
 
 
-def place_records(family_dir: str | Path, family: Family) -> Placement:
-    """Every record of one family's folder (<family_dir>/runs/*.json) sorted into the experiments that take it."""
+def place_records(family_dir: str | Path, family: Family, to_come: Sequence[dict] = ()) -> Placement:
+    """Every record of one family's folder (<family_dir>/runs/*.json) sorted into the experiments that take it.
+    to_come: records a command is about to add (name, key, family and config suffice), placed as if there."""
     family_dir = Path(family_dir)
     runs = family_dir / "runs"
-    by_key = {r["key"]: r for r in load_records(runs, family.name)}
+    by_key = {r["key"]: r for r in [*to_come, *load_records(runs, family.name)]}
     signatures = sorted({(r["config"]["profile"], r["config"].get("data_sha256") or "") for r in by_key.values()})
     profiles = sorted({p for p, _ in signatures})
     if len(profiles) > 1:  # their summaries would overwrite each other
