@@ -380,7 +380,13 @@ def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, cap
     assert f"metrics.final_val_acc (0.25 → {made['final_val_acc']:.6g}; relative" in out
     grokked = made["epoch_val_acc_95"]
     assert f"metrics.epoch_val_acc_95 ({'never → ' + str(grokked) if grokked else '123 → never'})" in out
+    capsys.readouterr()
     assert cli.main(["rerun", str(tmp_path / "nothing.json")]) == 2
+    assert "nothing.json: no such file" in capsys.readouterr().err
+    (tmp_path / "notes.json").write_text('{"metrics": {}}')
+    assert cli.main(["rerun", str(tmp_path / "notes.json")]) == 2
+    err = capsys.readouterr().err  # one line, and no talk of a run to redo
+    assert "notes.json: not a run record" in err and err.count("\n") == 1 and "not done" not in err
 
 
 # --- the interventions on the logit scale --------------------------------------------------------

@@ -275,9 +275,10 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
     _check_device(args.device)
     failed = 0
     for path in args.records:
-        old = read_record(path)
+        old = read_record(path, warn=False)  # read_record's warning speaks of a run to redo; here it is an error
         if old is None:
-            raise UserError(f"{path}: no readable run record there")
+            why = "no such file" if not Path(path).exists() else "not a run record (unreadable, or without its fields)"
+            raise UserError(f"{path}: {why}; rerun takes the JSON records under <results>/<family>/runs/")
         family = get_family(old["family"])
         options = {**family.run_options(args), "device": args.device, "heartbeat_s": 60.0}
         if old.get("data_source") and options.get("data") and old["data_source"] != options["data"]:
