@@ -361,14 +361,21 @@ def test_rerun_reproduces_a_record_exactly_and_flags_a_changed_one(tmp_path, cap
     assert cli.main(args) == 0
     path = next((tmp_path / "runs").glob("stiefel-adam-*.json"))
     capsys.readouterr()
-    assert cli.main(["rerun", str(path)]) == 0
+    assert cli.main(["rerun", str(path), "--json", str(tmp_path / "rerun.json")]) == 0
     assert "identical" in capsys.readouterr().out
+    [same] = json.loads((tmp_path / "rerun.json").read_text())["reruns"]  # what it printed, kept as a file
     record = json.loads(path.read_text())
+    assert same["identical"] and same["differences"] == [] and same["record"] == path.as_posix()
+    assert same["rerun"]["curves"] == record["curves"] and same["recorded"]["host"] == record["host"]
+    assert cli.main(["rerun", str(path), "--json", "/proc/no/rerun.json"]) == 2
+    assert "cannot write --json /proc/no/rerun.json" in capsys.readouterr().err
     made = dict(record["metrics"])
     record["curves"]["val_acc"][3] += 1e-9
     path.write_text(json.dumps(record))
-    assert cli.main(["rerun", str(path)]) == 1
+    assert cli.main(["rerun", str(path), "--json", str(tmp_path / "rerun.json")]) == 1
     out = capsys.readouterr().out
+    [changed] = json.loads((tmp_path / "rerun.json").read_text())["reruns"]
+    assert not changed["identical"] and changed["differences"][0].startswith("curves.val_acc (relative")
     assert "DIFFERENT" in out and "differ: curves.val_acc (relative" in out
     epoch = record["curves"]["epoch"][3]
     assert f"first differs at epoch {epoch} by" in out

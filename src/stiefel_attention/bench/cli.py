@@ -269,10 +269,16 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
 def _cmd_rerun(args: argparse.Namespace) -> int:
     """Re-run committed records' cells in this process and say whether every metric and curve is identical."""
-    from .records import Cell, read_record
+    from .records import Cell, read_record, write_json_atomic
     from .runner import execute_cell, record_differences
 
     _check_device(args.device)
+    reruns: list[dict] = []
+    if args.json:  # before any re-run, which may take an hour: the file can be written
+        try:
+            write_json_atomic(args.json, {"reruns": reruns})
+        except OSError as err:
+            raise UserError(f"cannot write --json {args.json}: {err.strerror or err}") from None
     failed = 0
     for path in args.records:
         old = read_record(path, warn=False)  # read_record's warning speaks of a run to redo; here it is an error
@@ -304,6 +310,18 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
             + (f"; differ: {', '.join(diffs)}" if diffs else "")
         )
         failed += bool(diffs)
+        if args.json:
+            reruns.append(
+                {
+                    "record": Path(path).as_posix(),
+                    "identical": not diffs,
+                    "compared": shared,
+                    "differences": diffs,
+                    "recorded": {"code_version": old["code_version"], "host": old.get("host")},
+                    "rerun": new,
+                }
+            )
+            write_json_atomic(args.json, {"reruns": reruns})
     return 1 if failed else 0
 
 
@@ -444,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rerun", help="re-run recorded runs and check that they reproduce exactly")
     p.add_argument("records", nargs="+", help="run record files (e.g. results/cifar/runs/adamw-s0-n10000-*.json)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write each comparison (both hosts and code versions, what differs, the re-run's whole record) "
+        "to PATH, rewritten as each re-run finishes",
+    )
     for family in families:
         family.add_reproduce_arguments(p)
     p.set_defaults(func=_cmd_rerun)
