@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from stiefel_attention.bench import geometry
 from stiefel_attention.bench.geometry import (
     Measure,
     all_censored,
@@ -314,7 +315,7 @@ def _profile_root(root, profile: str, offsets: dict[str, float], n: int, by_arm=
     return root
 
 
-def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path):
+def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path, monkeypatch):
     testbeds = [("grok", "grokking", "controls", "decay")]
     cpu = _profile_root(tmp_path / "results", "cpu", {"adamw": 20000, "frozen": 6000, "stiefel-adam": 6000}, 5)
     # paper: frozen behind stiefel-adam (cpu: level), adamw level with it at 2 seeds (cpu: ahead), one arm at 1 seed
@@ -328,6 +329,8 @@ def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path)
     assert "; profile cpu: stiefel-adam level with frozen (" in text
     assert "- stiefel-adam − adamw: different. Profile paper: stiefel-adam level with adamw (" in text
     assert "- adamw − frozen: different. Profile paper: adamw ahead of frozen" in text  # cpu: behind frozen
+    assert "![each comparison at both profiles](grok_across_profiles.png)" in text
+    assert (paper / "grok_across_profiles.png").stat().st_size > 0
     alone = "\n".join(geometry_section(paper, testbeds))  # without --beside: as before, no profile, no comparison
     assert "Across profiles" not in alone and "profile paper" not in alone and "[grokking](grok/controls" in alone
     _profile_root(tmp_path / "results", "cpu", {"adamw": 0.5, "frozen": 0.0, "stiefel-adam": 0.0}, 5, family="lm")
@@ -352,3 +355,19 @@ def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path)
     assert "- stiefel-adam − adamw: the same so far. Profile paper: stiefel-adam ahead of adamw (" in text
     assert "- stiefel-adam − frozen: not yet comparable. Profile paper: untested (" in text
     assert "1 seed, p_W=1); profile cpu: stiefel-adam level with frozen (" in text
+    # the figure draws what the list says: per comparison both profiles, a CI bar where there is one
+    drawn = []
+    monkeypatch.setattr(geometry, "save_figure", lambda fig, *args: drawn.append(fig))
+    mine, theirs = (json.loads((r / "grok" / "controls" / "summary.json").read_text()) for r in (early, cpu))
+    assert geometry.across_profiles_plot(early, "x.png", "grokking", mine, theirs) == "x.png"
+    [ax] = drawn[0].axes
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["adamw − frozen", "stiefel-adam − adamw", "stiefel-adam − frozen"]
+    points = {(bar.lines[0].get_xdata()[0], bar.lines[0].get_markerfacecolor() == "none") for bar in ax.containers}
+    by_pair = {(c["arm"], c["baseline"]): c for c in mine["controls"]["comparisons"]}
+    assert len(ax.containers) == 2 * len(labels)
+    assert (by_pair[("stiefel-adam", "frozen")]["mean_diff"], True) in points  # one seed: hollow, no bar
+    assert (by_pair[("stiefel-adam", "adamw")]["mean_diff"], False) in points
+    muon = json.loads((tmp_path / "wide" / "grok" / "controls" / "summary.json").read_text())
+    muon["controls"]["measure"] = {**muon["controls"]["measure"], "name": "something else"}
+    assert geometry.across_profiles_plot(early, "y.png", "grokking", mine, muon) is None  # not comparable: no plot

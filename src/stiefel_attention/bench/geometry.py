@@ -440,6 +440,8 @@ def geometry_section(
             pair = [found[r][family][3] if family in found[r] else None for r in (results_dir, root)]
             if all(s and s.get("controls") for s in pair):
                 lines += ["", *across_profiles(title, *pair)]
+                if name := across_profiles_plot(results_dir, f"{family}_across_profiles.png", title, *pair):
+                    lines += ["", f"![each comparison at both profiles]({name})"]
     if panels:
         _geometry_plot(results_dir, panels)
         lines += ["", "![lead against weight decay](geometry_decay.png)"]
@@ -472,13 +474,13 @@ def across_profiles(title: str, mine: dict, theirs: dict) -> list[str]:
     files. A standing is final once both of its arms have every planned run; before that it holds 'so far'."""
     me, other = mine.get("profile", "this folder's"), theirs.get("profile", "the other folder's")
     m = mine["controls"]["measure"]
-    if theirs["controls"]["measure"]["name"] != m["name"]:
+    if (paired := _rankings(mine, theirs)) is None:
         return [
             f"Across profiles, {title}: profile {other} measures {theirs['controls']['measure']['name']}, "
             f"profile {me} {m['name']}; not compared."
         ]
     unit, digits = m["unit"], DIGITS.get(m["unit"], 2)
-    ours, then = ({(c["arm"], c["baseline"]): c for c in _ranking(s)} for s in (mine, theirs))
+    ours, then = paired
     lines = [
         f"Across profiles, {title}: each comparison at profile {me} beside profile {other} (ahead, level or behind "
         "by the 95% CI; untested with fewer than 2 seeds):",
@@ -499,6 +501,48 @@ def across_profiles(title: str, mine: dict, theirs: dict) -> list[str]:
         if missing := [f"{arm} − {baseline}" for arm, baseline in one if (arm, baseline) not in two]:
             lines.append(f"- Not run at profile {who}: {', '.join(missing)}.")
     return lines
+
+
+def across_profiles_plot(out_dir: Path, name: str, title: str, mine: dict, theirs: dict) -> str | None:
+    """The comparisons across_profiles lists, drawn: per comparison run at both profiles, each profile's mean
+    difference with its 95% CI (a hollow marker without a bar: one seed). Returns the file's name, None if none."""
+    m = mine["controls"]["measure"]
+    ours, then = _rankings(mine, theirs) or ({}, {})
+    if not (both := [pair for pair in ours if pair in then]):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 1.4 + 0.55 * len(both)))
+    for shift, summary, table, color in ((-0.12, mine, ours, "C0"), (0.12, theirs, then, "C1")):
+        for row, pair in enumerate(both):
+            c = table[pair]
+            tested = c["n_seeds"] >= 2 and not any(undefined(x) for x in c["ci95"])
+            err = [[c["mean_diff"] - c["ci95"][0]], [c["ci95"][1] - c["mean_diff"]]] if tested else None
+            ax.errorbar(
+                c["mean_diff"], row + shift, xerr=err, marker="o", capsize=3, color=color,
+                mfc=color if tested else "none", label=None if row else f"profile {summary.get('profile', '?')}",
+            )  # fmt: skip
+    ax.axvline(0.0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(both)), [f"{arm} − {baseline}" for arm, baseline in both], fontsize=8)
+    ax.invert_yaxis()
+    better = "right" if m["higher_is_better"] else "left"
+    ax.set_xlabel(
+        textwrap.fill(f"{m['name']} ({m['unit']})", 80) + f"\n{better} of 0: the first arm better", fontsize=8
+    )
+    ax.set_title(textwrap.fill(f"{title}: mean paired difference, 95% CI (hollow: one seed)", 90), fontsize=9)
+    ax.legend(fontsize=7)
+    save_figure(fig, out_dir, name, [])
+    return name
+
+
+def _rankings(mine: dict, theirs: dict) -> tuple[dict, dict] | None:
+    """Both controls summaries' ranking comparisons by (arm, baseline); None where they measure different things."""
+    if theirs["controls"]["measure"]["name"] != mine["controls"]["measure"]["name"]:
+        return None
+    return tuple({(c["arm"], c["baseline"]): c for c in _ranking(s)} for s in (mine, theirs))
 
 
 def _ranking(summary: dict) -> list[dict]:
