@@ -347,6 +347,33 @@ def test_report_never_leaves_a_record_out_or_shows_an_old_summary_without_saying
     assert "this code writes no summary there" in captured.err and "== certify" not in captured.out
 
 
+def test_a_folder_read_beside_must_have_its_summaries_rebuilt_since_its_last_record(tmp_path, capsys):
+    here, there = tmp_path / "results", tmp_path / "results-other"
+    for root in (here, there):
+        assert cli.main(smoke_args("grok", "single", root / "grok")) == 0
+    capsys.readouterr()
+    assert cli.main(["report", str(here), "--beside", str(there)]) == 2  # made by a command, never reported
+    assert "grok/study (2 records, no summary)" in capsys.readouterr().err
+    assert cli.main(["report", str(there)]) == 0
+    # a record lands there (seed 1 of a study cell) and its summaries are not rebuilt
+    rec = read_record(sorted((there / "grok" / "runs").glob("*.json"))[0])
+    cell = Cell("grok", rec["name"].replace("-s0", "-s1"), {**rec["config"], "seed": 1, "split_seed": 1})
+    write_json_atomic(
+        cell.path(there / "grok" / "runs"), {**rec, "name": cell.name, "key": cell.key, "config": cell.config}
+    )
+    capsys.readouterr()
+    assert cli.main(["report", str(here), "--beside", str(there)]) == 2
+    err = capsys.readouterr().err
+    assert f"--beside {there.as_posix()}: its summaries are behind its records: grok/" in err
+    assert "grok/study (3 records, its summary covers 2)" in err and "Traceback" not in err
+    assert (
+        f"rebuild them first (stiefel-attention report {there.as_posix()})" in err and not (here / "REPORT.md").exists()
+    )
+    assert cli.main(["report", str(there)]) == 0
+    assert cli.main(["report", str(here), "--beside", str(there)]) == 0
+    assert (here / "REPORT.md").exists()
+
+
 # --- 7, 8. a text too short, a device that is not there -------------------------------------------
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "Placement",
     "place_records",
     "check_placed",
+    "check_current",
     "claim_rows",
     "comparison_rows",
     "write_claims_report",
@@ -171,6 +172,27 @@ def check_placed(placements: Sequence[Placement], leave_out_unplanned: bool = Fa
         )
 
 
+def check_current(results_dir: str | Path) -> None:
+    """Refuse (UserError) a results folder whose summaries are not those of its records as they are now: a folder
+    read as it is (--beside) must have been rebuilt since its last record, or its rows would be old ones."""
+    results_dir = Path(results_dir)
+    behind = []
+    for family in all_families():
+        p = place_records(results_dir / family.name, family)
+        behind += [s.relative_to(results_dir).as_posix() + " (no experiment writes it now)" for s in p.stale]
+        for exp, finished in p.experiments.items():
+            path = p.family_dir / exp / "summary.json"
+            n = json.loads(path.read_text()).get("n_records") if path.exists() else None
+            if n != len(finished):
+                said = "no summary" if n is None else f"its summary covers {n}"
+                behind.append(f"{family.name}/{exp} ({len(finished)} records, {said})")
+    if behind:
+        raise UserError(
+            f"--beside {results_dir.as_posix()}: its summaries are behind its records: {', '.join(behind)}; "
+            f"rebuild them first (stiefel-attention report {results_dir.as_posix()})"
+        )
+
+
 def write_placed(p: Placement) -> list[Path]:
     """Recompute each summary of one placed family folder from its records alone."""
     written = []
@@ -198,6 +220,8 @@ def rebuild_all(
     results_dir = Path(results_dir)
     placements = [place_records(results_dir / family.name, family) for family in all_families()]
     check_placed(placements, leave_out_unplanned)
+    for other in beside:
+        check_current(other)
     written = [path for p in placements for path in write_placed(p)]
     left_out = [unplaced_line(p) for p in placements if p.unplaced]
     return written + write_claims_report(results_dir, beside, left_out)
