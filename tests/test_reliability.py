@@ -583,7 +583,21 @@ def test_the_heartbeat_of_a_long_run_counts_in_its_familys_unit(capsys):
 
     assert get_family("grok").progress_unit == "epoch" and get_family("lm").progress_unit == "step"
     Heartbeat("lm-cell", 60.0, get_family("lm").progress_unit)(600, 600)  # the last call always prints
-    assert capsys.readouterr().err.strip() == "lm-cell: step 600/600"
+    assert capsys.readouterr().err.strip() == "lm-cell: step 600/600 (100%)"
+    # a run resumed at epoch 1000: its rate counts from there; a line at most every 60 s
+    now = [0.0]
+    beat = Heartbeat("grok-cell", 60.0, "epoch", clock=lambda: now[0])
+    for t, epoch in ((0.0, 1000), (30.0, 1200), (100.0, 1700)):
+        now[0] = t
+        beat(epoch, 20000)
+    assert capsys.readouterr().err.strip() == "grok-cell: epoch 1700/20000 (8%), 7 epochs/s, about 44 min left"
+
+
+def test_without_a_bar_each_finished_run_is_a_line_of_the_log(tmp_path, capsys):
+    cells = [_grok_cell(s) for s in range(2)]
+    run_cells(cells, tmp_path / "runs", InlineExecutor(), progress=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("finished ")]
+    assert lines == [f"finished {c.name}: {c.path(tmp_path / 'runs')}" for c in cells]
 
 
 def test_the_folder_is_checked_again_only_while_nothing_of_ours_marks_it(tmp_path, monkeypatch):

@@ -192,7 +192,8 @@ def _family_command(args: argparse.Namespace) -> int:
     )
     if note := family.plan_note(args.experiment, args.profile):
         print(f"note: {note}")
-    options = {**run_options, "device": args.device, "heartbeat_s": None if args.no_progress else 60.0}
+    # each long run says how far it is: every minute beside a bar, every 10 minutes in a log (--no-progress)
+    options = {**run_options, "device": args.device, "heartbeat_s": 600.0 if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]
     records, failures = run_cells(
@@ -391,7 +392,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--retries", type=int, default=2, help="ray: resubmit a failed or killed run up to N times (default 2)"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (for logs): a line per finished run, and each long run's progress every 10 minutes",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

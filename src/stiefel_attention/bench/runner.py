@@ -43,21 +43,31 @@ __all__ = [
 
 
 class Heartbeat:
-    """Progress of one long run as a line on stderr at most every `every_s` seconds.
+    """Progress of one long run as a line on stderr at most every `every_s` seconds: how far, how fast since this
+    process took it up (a resumed run starts part-way), and about how long is left.
 
     Pool workers cannot draw into the parent's progress bar; a 15-minute run should still say
     that it is alive and how far it got.
     """
 
-    def __init__(self, name: str, every_s: float, unit: str = "step"):
-        self.name, self.every_s, self.unit = name, every_s, unit
-        self.last = time.perf_counter()
+    def __init__(self, name: str, every_s: float, unit: str = "step", clock=time.perf_counter):
+        self.name, self.every_s, self.unit, self.clock = name, every_s, unit, clock
+        self.last = clock()
+        self.start: tuple[float, int] | None = None  # (time, count) of the first report: the rate's origin
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
+        now = self.clock()
+        if self.start is None:
+            self.start = (now, done)
         if now - self.last >= self.every_s or done == total:
             self.last = now
-            print(f"  {self.name}: {self.unit} {done}/{total}", file=sys.stderr, flush=True)
+            line = f"  {self.name}: {self.unit} {done}/{total} ({100 * done / max(total, 1):.0f}%)"
+            seconds, count = now - self.start[0], done - self.start[1]
+            if seconds > 0 and count > 0:
+                rate = count / seconds
+                line += f", {rate:.3g} {self.unit}s/s"
+                line += f", about {(total - done) / rate / 60:.0f} min left" if done < total else ""
+            print(line, file=sys.stderr, flush=True)
 
 
 def host() -> dict:
@@ -444,6 +454,8 @@ def run_cells(
                 write_json_atomic(cell.path(runs_dir), outcome)
                 records[cell.key] = outcome
                 checkpoint_path(runs_dir, cell.name, cell.key).unlink(missing_ok=True)
+                if bar is None:  # a log (no bar): one line per finished run
+                    print(f"finished {cell.name}: {cell.path(runs_dir)}", file=sys.stderr, flush=True)
             claims.release(cell)
             if bar is not None:
                 bar.update(1)
