@@ -216,14 +216,14 @@ def _family_command(args: argparse.Namespace) -> int:
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     """certify, then every family's experiments through the same code path as their own commands, then report."""
+    from .report import check_placed, place_records
+
     out = Path(args.out or default_results_dir(args.profile))
     families = all_families()
     _check_device(args.device)
     _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
     for family in families:  # data, output folders: say so now, not after certification or an hour in
         _check_folder(family, out / family.name / "runs", args.profile, family.run_options(args))
-    from .report import check_placed, place_records
-
     check_placed([place_records(out / f.name, f) for f in families], args.leave_out_unplanned)  # the final report's
     print(f"== certify (float64) -> {out / 'certify.json'}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
