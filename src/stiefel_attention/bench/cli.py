@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .family import FAMILY_MODULES, Plan, UserError, all_families, get_family, with_data
+from .family import FAMILY_MODULES, UserError, all_families, get_family, with_data
 
 EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
@@ -169,7 +169,6 @@ def _chosen_arms(arms: str | None, cells: list, what: str) -> list[str]:
 
 def _family_command(args: argparse.Namespace) -> int:
     """`stiefel-attention <family> --experiment NAME ...`: run the missing cells, then report."""
-    from .records import read_record
     from .report import load_records
     from .runner import run_cells
 
@@ -196,17 +195,13 @@ def _family_command(args: argparse.Namespace) -> int:
     options = {**run_options, "device": args.device, "heartbeat_s": 600.0 if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]
-    records, failures = run_cells(
+    _, failures = run_cells(
         to_run, out / "runs", executor, progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
     )
-    records.update({c.key: r for c in cells if c.key not in records and (r := read_record(c.path(out / "runs")))})
-    mine = [records[c.key] for c in cells if c.key in records]
+    # the folder's summary of the experiment, as `report` writes it (it takes every record of these cells: checked)
     by_key = {r["key"]: r for r in load_records(out / "runs", family.name)}
     finished = family.experiment_records(args.experiment, args.profile, by_key)
-    if {r["key"] for r in mine} <= {r["key"] for r in finished}:  # the folder's summary, as `report` writes it
-        plan = family.plan(args.experiment, args.profile, finished)
-    else:  # cells of a non-default option (e.g. cifar's --n): a summary of this command's cells alone
-        finished, plan = mine, Plan(len(mine), len(cells))
+    plan = family.plan(args.experiment, args.profile, finished)
     family.write_summary(out, args.experiment, finished, args.profile, plan, by_key)
     print((out / args.experiment / "summary.md").read_text())
     for cell, err in failures:
