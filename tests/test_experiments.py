@@ -584,6 +584,34 @@ def test_every_committed_record_is_still_part_of_an_experiment(folder):
     assert sum(len(p.by_key) for p in placements) > 0
 
 
+def test_the_committed_results_regenerate_byte_for_byte(tmp_path, monkeypatch):
+    """Every summary, plot and REPORT.md of results/ and results-paper/ is what `report` makes of the committed
+    records with this code: a change that alters any of them must regenerate and commit them. Tracked files only,
+    so records of runs still in flight in this checkout do not count."""
+    import shutil
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "results", "results-paper"], cwd=repo, capture_output=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    tracked = [name for name in listed.decode().split("\0") if name]
+    if not tracked:
+        pytest.skip("no committed results in this checkout")
+    for name in tracked:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repo / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)  # REPORT.md quotes the command as run, with these relative paths
+    assert cli.main(["report", "results-paper", "--beside", "results"]) == 0
+    assert cli.main(["report", "results", "--beside", "results-paper"]) == 0
+    made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert [name for name in made if name not in tracked] == []  # nothing the commit lacks
+    assert [name for name in tracked if (tmp_path / name).read_bytes() != (repo / name).read_bytes()] == []
+
+
 def test_the_pilot_folder_is_refused_by_this_code_rather_than_reported_without_its_records():
     """results-pilot/ holds an earlier protocol's cells; this code plans 4 of its 135 records, so a report by it would
     shrink the pilot's summaries. It is reported with the code that made it (DEVELOPERS.md)."""
