@@ -521,10 +521,11 @@ def across_profiles_plot(out_dir: Path, name: str, title: str, mine: dict, their
             c = table[pair]
             tested = c["n_seeds"] >= 2 and not any(undefined(x) for x in c["ci95"])
             err = [[c["mean_diff"] - c["ci95"][0]], [c["ci95"][1] - c["mean_diff"]]] if tested else None
+            label = None if row else f"profile {summary.get('profile', '?')}"
+            face = color if tested else "none"
             ax.errorbar(
-                c["mean_diff"], row + shift, xerr=err, marker="o", capsize=3, color=color,
-                mfc=color if tested else "none", label=None if row else f"profile {summary.get('profile', '?')}",
-            )  # fmt: skip
+                c["mean_diff"], row + shift, xerr=err, marker="o", capsize=3, color=color, mfc=face, label=label
+            )
     ax.axvline(0.0, color="grey", lw=0.8)
     ax.set_yticks(range(len(both)), [f"{arm} − {baseline}" for arm, baseline in both], fontsize=8)
     ax.invert_yaxis()
