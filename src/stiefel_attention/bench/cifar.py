@@ -516,8 +516,10 @@ class CifarFamily(Family):
         mine = [r for r in by_key.values() if r["config"]["profile"] == profile]
         seeds = 1 + max((r["config"]["seed"] for r in mine), default=0)
         data = data_of(mine)
-        if experiment == "controls" and not all(PROFILES[profile]["tuned"].get(a) for a in CONTROL_ARMS):
-            return []  # not planned until every control arm has its swept learning rate
+        try:  # as its command plans it: e.g. the controls wait for every control arm's swept rate (except at smoke)
+            cells(experiment, profile, 1)
+        except NotReady:
+            return []
         if experiment == "scaling":
             return [by_key[c.key] for c in with_data(cells(experiment, profile, seeds), data) if c.key in by_key]
         sizes = sorted({r["config"]["n_train"] for r in mine})
