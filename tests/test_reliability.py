@@ -33,7 +33,7 @@ from stiefel_attention import (
 from stiefel_attention.bench import cli, grok, lm
 from stiefel_attention.bench import family as family_module
 from stiefel_attention.bench import runner as runner_module
-from stiefel_attention.bench.errors import DataError, UserError
+from stiefel_attention.bench.errors import DataError, NotReady, UserError
 from stiefel_attention.bench.family import with_data
 from stiefel_attention.bench.lock import Claims
 from stiefel_attention.bench.records import Cell, ensure_writable, read_record, write_json_atomic
@@ -610,3 +610,24 @@ def test_the_folder_is_checked_again_only_while_nothing_of_ours_marks_it(tmp_pat
     records, failures = run_cells(cells, tmp_path / "runs", InlineExecutor(), progress=False)
     assert failures == [] and len(records) == 3
     assert len(calls) == 2  # at the start, and before the first claim; then our first record marks the folder
+
+
+def test_reproduce_goes_on_past_an_experiment_it_cannot_plan_and_says_so(tmp_path, monkeypatch, capsys):
+    # an experiment that cannot be planned (e.g. controls after a failed sweep run) stops only itself
+    monkeypatch.setattr(family_module, "FAMILY_MODULES", ("grok",))
+    monkeypatch.setattr(type(grok.FAMILY), "reproduce_order", ("decay", "single"))
+    planned = type(grok.FAMILY).cells
+
+    def cells(self, experiment, profile, seeds=None, **options):
+        if experiment == "decay":
+            raise NotReady("decay awaits the sweep's rates (stand-in)")
+        return planned(self, experiment, profile, seeds, **options)
+
+    monkeypatch.setattr(type(grok.FAMILY), "cells", cells)
+    out = tmp_path / "repro"
+    assert cli.main(["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "not run: grok decay: decay awaits the sweep's rates (stand-in)" in captured.err
+    assert "the same command resumes after the fix" in captured.err and "Traceback" not in captured.err
+    assert len(list((out / "grok" / "runs").glob("*.json"))) == 2  # the experiment after it ran
+    assert "[grok/single](grok/single/summary.md) (2/2 runs) | smoke" in (out / "REPORT.md").read_text()

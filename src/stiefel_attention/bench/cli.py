@@ -244,7 +244,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     common += ["--device", args.device] if args.device else []
     common += ["--ray-address", args.ray_address] if args.ray_address else []
     common += ["--no-progress"] if args.no_progress else []
-    failed = []
+    failed: list[str] = []
+    refused: list[str] = []
     parser = build_parser()
     for family in families:
         for experiment in family.reproduce_order or family.experiments:
@@ -252,15 +253,20 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             argv = [family.name, "--experiment", experiment, "--out", str(out / family.name), *common]
             argv += family.forward_arguments(args)
             sub = parser.parse_args(argv)
-            if sub.func(sub) != 0:
-                failed.append(f"{family.name} {experiment}")
+            try:
+                if sub.func(sub) != 0:
+                    failed.append(f"{family.name} {experiment}")
+            except UserError as err:  # e.g. NotReady after a failed sweep run: the other experiments still run
+                print(f"not run: {family.name} {experiment}: {err}", file=sys.stderr, flush=True)
+                refused.append(f"{family.name} {experiment} ({err})")
     print(f"\n== report {out}", flush=True)
     _cmd_report(argparse.Namespace(dir=str(out), beside=[], leave_out_unplanned=args.leave_out_unplanned))
     print(f"\nclaim by claim: {out / 'REPORT.md'}")
     if failed:
         print(f"some runs failed in: {', '.join(failed)} (rerun the same command to retry only those)", file=sys.stderr)
-        return 1
-    return 0
+    if refused:
+        print(f"not run: {'; '.join(refused)} (the same command resumes after the fix)", file=sys.stderr)
+    return 1 if failed or refused else 0
 
 
 def _cmd_rerun(args: argparse.Namespace) -> int:
