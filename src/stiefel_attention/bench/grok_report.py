@@ -253,16 +253,7 @@ def _study_finding(st_epoch: dict, st_acc: dict, never: dict | None) -> tuple[st
     n = st_epoch["n_seeds"]
     if never and all(v == n for v in never.values()):
         # Epochs-to-95% carries no information; final accuracy still says which arm is ahead.
-        said = f"neither arm reaches 95% validation accuracy in any of {n} seeds"
-        if st_acc["mean_diff"] != 0:
-            ahead, wins = (
-                ("the Stiefel arm", st_acc["wins"]) if st_acc["mean_diff"] > 0 else ("the baseline", st_acc["losses"])
-            )
-            said += (
-                f"; final val acc: {ahead} ahead in {wins}/{n} seeds, "
-                f"{st_acc['mean_diff']:+.1f} pp, p_t={fmt_p(st_acc['p_t'])}"
-            )
-        return "untestable", said
+        return "untestable", f"neither arm reaches 95% validation accuracy in any of {n} seeds" + _final_acc(st_acc)
     faster = st_epoch["mean_diff"] < 0  # stiefel reaches 95% in fewer epochs
     who = "the Stiefel arm" if faster else "the baseline"
     wins = st_epoch["losses"] if faster else st_epoch["wins"]  # fewer epochs is a win
@@ -274,8 +265,25 @@ def _study_finding(st_epoch: dict, st_acc: dict, never: dict | None) -> tuple[st
             f"{fmt_p(st_epoch['p_wilcoxon'])} is the smallest {n} pairs allow)"
         )
     else:
-        return None, "no significant difference in epochs to 95% (the paper reports a significant baseline win)"
+        said = "no significant difference in epochs to 95% (the paper reports a significant baseline win)"
+        if never and any(never.values()):  # censored pairs: the test above sees only a lower bound of the gap
+            said += (
+                f"; never reaching 95%: the baseline in {never.get('adamw', 0)}/{n} seeds, the Stiefel arm in "
+                f"{never.get('stiefel-adam', 0)}/{n} (entered as the budget + 1, so the gap is understated)"
+            )
+        return None, said + _final_acc(st_acc)
     return ("stiefel" if faster else "baseline"), said
+
+
+def _final_acc(st_acc: dict) -> str:
+    """The study's other measure in a clause ('' where the arms end level): which arm ends ahead, by how much."""
+    n = st_acc["n_seeds"]
+    if st_acc["mean_diff"] == 0:
+        return ""
+    ahead, wins = ("the Stiefel arm", st_acc["wins"]) if st_acc["mean_diff"] > 0 else ("the baseline", st_acc["losses"])
+    return (
+        f"; final val acc: {ahead} ahead in {wins}/{n} seeds, {st_acc['mean_diff']:+.1f} pp, p_t={fmt_p(st_acc['p_t'])}"
+    )
 
 
 def grok_markdown(summary: dict, profile: str) -> str:
