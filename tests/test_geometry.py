@@ -355,6 +355,9 @@ def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path,
     assert "- stiefel-adam − adamw: the same so far. Profile paper: stiefel-adam ahead of adamw (" in text
     assert "- stiefel-adam − frozen: not yet comparable. Profile paper: untested (" in text
     assert "1 seed, p_W=1); profile cpu: stiefel-adam level with frozen (" in text
+    # the row's verdict holds 'so far' too, naming the arms begun and their runs; the complete folder's does not
+    assert "| so far (adamw 2/5, frozen 1/5, stiefel-adam 2/5 runs): " in text
+    assert text.count("| so far (") == 1 and "| so far" not in "\n".join(geometry_section(cpu, testbeds))
     # the figure draws what the list says: per comparison both profiles, a CI bar where there is one
     drawn = []
     monkeypatch.setattr(geometry, "save_figure", lambda fig, *args: drawn.append(fig))

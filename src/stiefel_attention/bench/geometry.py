@@ -628,14 +628,18 @@ def _testbeds(
             profile = whole.get("profile") or decay_whole.get("profile")
             named = f"{title}, profile {profile}" if label and profile else title
             where = (prefix / family / str(controls_exp)).as_posix()
-            found[family] = (title, _testbed_row(where, named, controls, decay), decay, whole or None)
+            row = _testbed_row(where, named, controls, decay, whole.get("planned_by_arm"))
+            found[family] = (title, row, decay, whole or None)
     return found
 
 
 DIGITS = {"epochs": 0, "steps": 0, "nats/char": 3}  # decimals per unit; 2 otherwise
 
 
-def _testbed_row(where: str, title: str, controls: dict | None, decay: dict | None) -> tuple[str, ...]:
+def _testbed_row(
+    where: str, title: str, controls: dict | None, decay: dict | None, planned_by_arm: dict | None = None
+) -> tuple[str, ...]:
+    """One row of the table; its verdict holds 'so far' while an arm the controls have begun lacks planned runs."""
     summary = controls or decay
     m = summary["measure"]
     unit = m["unit"]
@@ -649,6 +653,9 @@ def _testbed_row(where: str, title: str, controls: dict | None, decay: dict | No
     lead_txt = "; ".join(f"wd {lead['weight_decay']:g}: {_lead_cell(lead, decay, digits)}" for lead in leads)
     mech = (controls or {}).get("mechanism", {})
     verdict = _verdict(sens, vs, leads, m, digits, mech, (decay or {}).get("fallback_measure"))
+    begun = [f"{arm} {done}/{total}" for arm, (done, total) in (planned_by_arm or {}).items() if 0 < done < total]
+    if begun:
+        verdict = f"so far ({', '.join(begun)} runs): {verdict}"
     return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt or "not run", verdict)
 
 
