@@ -284,6 +284,54 @@ def test_scaling_and_movement_summaries():
     assert out["ratios"]["stiefel-sgd"]["verdict"].startswith("replicates")
 
 
+def test_claim_rows_wait_for_every_planned_run_of_their_arms():
+    from stiefel_attention.bench.cifar_report import claim_rows
+
+    def verdicts(exp, recs, by_arm=None, **plan):
+        summary = {**cifar_summary(exp, recs), **plan}
+        if by_arm:
+            summary["planned_by_arm"] = by_arm
+        return [row[4] for row in claim_rows(exp, summary, "link", "cpu")]
+
+    ahead = [_fake_record(a, s, 0.5 + (0.02 + 0.001 * (s % 3)) * (a != "adamw")) for s in range(6) for a in ARMS2]
+    [final] = verdicts("main", ahead)  # stiefel-adam +2 pp in every seed: an effect, not the paper's size
+    assert final.startswith("direction replicates, size does not")
+    open_plan = {"adamw": [6, 8], "stiefel-adam": [6, 8], "stiefel-sgd": [0, 8]}  # an arm not compared: not named
+    assert verdicts("main", ahead, open_plan) == [f"so far (adamw 6/8, stiefel-adam 6/8 runs): {final}"]
+    level = [_fake_record(a, s, 0.5 + 0.01 * (s % 2) * (a == "adamw")) for s in range(3) for a in ARMS2]
+    [none] = verdicts("main", level, {"adamw": [5, 5], "stiefel-adam": [3, 5]})
+    assert none.startswith("not decided yet (stiefel-adam 3/5 runs); at these seeds: does not replicate: no signif")
+    [done] = verdicts("main", level, {"adamw": [5, 5], "stiefel-adam": [5, 5]})  # every planned run finished
+    assert done.startswith("does not replicate: no signif")
+    # the monotone-lead row of scaling and the movement ratio wait too
+    grows = [
+        r
+        for s in range(3)
+        for a in ARMS2
+        for r in [_fake_record(a, s, 0.5 + 0.01 * k * (a != "adamw"), n_train=n) for k, n in ((1, 1000), (2, 50000))]
+    ]
+    assert verdicts("scaling", grows)[-1] == "replicates"
+    assert (
+        verdicts("scaling", grows, {"adamw": [6, 8], "stiefel-adam": [6, 8]})[-1]
+        == "so far (adamw 6/8, stiefel-adam 6/8 runs): replicates"
+    )
+    mv = [
+        _fake_record(a, s, 0.5, movement=[30.0 if a == "adamw" else 1.0])
+        for s in range(2)
+        for a in ("adamw", "stiefel-sgd")
+    ]
+    assert verdicts("movement", mv)[0].startswith("replicates: median 30x")
+    assert verdicts("movement", mv, {"adamw": [2, 3], "stiefel-sgd": [2, 3]})[0].startswith(
+        "so far (adamw 2/3, stiefel-sgd 2/3 runs): replicates"
+    )
+    # a plan without arms to tell apart says how many of its runs have finished; a complete one is final
+    assert verdicts("movement", mv, n_planned_done=4, n_planned=6)[0].startswith("so far (4/6 runs): replicates")
+    assert verdicts("movement", mv, n_planned_done=6, n_planned=6)[0].startswith("replicates")
+
+
+ARMS2 = ("adamw", "stiefel-adam")
+
+
 # --- command line ----------------------------------------------------------------------------
 
 

@@ -502,14 +502,17 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
 def test_the_no_decay_claim_row_reads_the_controls_comparison():
     from stiefel_attention.bench.grok_report import claim_rows, grok_summary
 
-    def row(nodecay_epochs, nodecay_acc):
+    def row(nodecay_epochs, nodecay_acc, by_arm=None):
         recs = []
-        for s in range(5):
+        for s in range(len(nodecay_epochs)):
             recs += [
                 _fake_grok_record("+", "adamw", s, None, 0.25 + (0.01, -0.02, 0.0, 0.015, -0.01)[s]),
                 _fake_grok_record("+", "adamw-qk-nodecay", s, nodecay_epochs[s], nodecay_acc),
             ]
-        [(_, _, claim, got, verdict)] = claim_rows("controls", grok_summary("controls", recs), "link", "cpu")
+        summary = grok_summary("controls", recs)
+        if by_arm:  # as write_experiment records an open plan
+            summary["planned_by_arm"] = by_arm
+        [(_, _, claim, got, verdict)] = claim_rows("controls", summary, "link", "cpu")
         assert "weight-decay exemption has no grokking consequence" in claim
         return got, verdict
 
@@ -521,6 +524,22 @@ def test_the_no_decay_claim_row_reads_the_controls_comparison():
     assert verdict.startswith("untestable on grokking (no run of either arm groks); on final val acc: does not")
     _, verdict = row((6000, 6100, 6200, 6300, 6400), 1.0)
     assert verdict == "does not replicate: exempting W_Q, W_K from decay makes AdamW grok significantly sooner"
+    # below the planned runs of either arm: no difference decides nothing yet; an effect found holds 'so far'
+    plan = {"adamw": [3, 5], "adamw-qk-nodecay": [3, 5], "frozen": [3, 5], "stiefel-adam": [5, 5]}
+    _, verdict = row((None, 19000, None), 0.3, plan)
+    assert verdict.startswith(
+        "not decided yet (adamw 3/5, adamw-qk-nodecay 3/5 runs); at these seeds: replicates: no significant difference"
+    )
+    _, verdict = row((6000, 6100, 6200), 1.0, plan)
+    assert verdict == (
+        "so far (adamw 3/5, adamw-qk-nodecay 3/5 runs): does not replicate: exempting W_Q, W_K from decay makes AdamW "
+        "grok significantly sooner"
+    )
+    _, verdict = row((None,) * 3, 0.3, plan)  # compared on final accuracy: the same rule
+    assert verdict.startswith("so far (adamw 3/5, adamw-qk-nodecay 3/5 runs): untestable on grokking")
+    plan["frozen"] = [1, 5]  # an arm the row does not compare is not waited for
+    _, verdict = row((6000, 6100, 6200), 1.0, {**plan, "adamw": [5, 5], "adamw-qk-nodecay": [5, 5]})
+    assert verdict.startswith("does not replicate")
 
 
 class _CutOff(Exception):

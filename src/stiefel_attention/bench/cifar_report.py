@@ -10,7 +10,7 @@ from pathlib import Path
 from . import claims
 from .arms import arm_spec
 from .family import Plan
-from .fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, save_figure
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
 from .geometry import (
     Measure,
     controls_markdown,
@@ -424,7 +424,11 @@ def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]
                 prof,
                 claims.CIFAR_SCALING_TEXT,
                 f"lead increases monotonically with n: {s['lead_grows_with_n']}",
-                "replicates" if s["lead_grows_with_n"] else "does not replicate",
+                provisional(
+                    "replicates" if s["lead_grows_with_n"] else "does not replicate",
+                    open_arms(s, ("stiefel-adam", "adamw")),
+                    decided=True,
+                ),
             )
         )
     for arm, r in s.get("ratios", {}).items():
@@ -435,7 +439,7 @@ def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]
                     prof,
                     s["text"],
                     f"median {r['median']:.3g}x (range {r['min']:.3g}-{r['max']:.3g}x) at SGD frame lr {r.get('lr')}",
-                    r["verdict"],
+                    provisional(r["verdict"], open_arms(s, (arm, "adamw")), decided=True),
                 )
             )
     return rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["fmt_ci", "fmt_p", "fmt_runs", "fmt_t", "save_figure", "undefined"]
+__all__ = ["fmt_ci", "fmt_p", "fmt_runs", "fmt_t", "open_arms", "provisional", "save_figure", "undefined"]
 
 
 def undefined(x) -> bool:
@@ -52,6 +52,25 @@ def fmt_runs(summary: dict) -> str:
         text += "; finished of planned per arm: " + ", ".join(ran)
         text += f"; not run yet: {', '.join(idle)}" if idle else ""
     return text
+
+
+def open_arms(summary: dict, arms) -> list[str]:
+    """'arm done/total', in the plan's order, for each of `arms` whose planned runs have not all finished
+    ('done/total' for a plan of one arm); empty where a comparison of these arms is final. An arm the plan does
+    not hold has nothing to wait for."""
+    if by_arm := summary.get("planned_by_arm"):
+        return [f"{arm} {done}/{total}" for arm, (done, total) in by_arm.items() if arm in arms and done < total]
+    done, total = summary.get("n_planned_done"), summary.get("n_planned")
+    return [f"{done}/{total}"] if total and done < total else []
+
+
+def provisional(verdict: str, waiting: list[str], decided: bool) -> str:
+    """A verdict of a comparison whose arms still lack planned runs (waiting: open_arms): an effect found holds
+    'so far'; the absence of one decides nothing yet. Unchanged where nothing is waiting."""
+    if not waiting:
+        return verdict
+    runs = f"{', '.join(waiting)} runs"
+    return f"so far ({runs}): {verdict}" if decided else f"not decided yet ({runs}); at these seeds: {verdict}"
 
 
 def fmt_p(p: float) -> str:

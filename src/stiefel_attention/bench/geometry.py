@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .arms import arm_spec
-from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure, undefined
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, save_figure, undefined
 from .stats import describe, paired_comparison
 
 __all__ = [
@@ -460,14 +460,6 @@ def standing(c: dict | None, higher_is_better: bool) -> int | None:
     return (1 if (c["mean_diff"] > 0) == higher_is_better else -1) if significant(c) else 0
 
 
-def _arm_done(summary: dict, arm: str) -> bool:
-    """Whether every cell the experiment plans for this arm has finished (its comparisons are final)."""
-    if by_arm := summary.get("planned_by_arm"):
-        done, total = by_arm.get(arm, (0, 1))
-        return done >= total
-    return summary.get("n_planned_done") == summary.get("n_planned")
-
-
 def across_profiles(title: str, mine: dict, theirs: dict) -> list[str]:
     """Markdown lines: each comparison of one testbed's controls (sensitivity, stiefel-adam against each arm) at
     this folder's profile beside another's, with whether the standings agree. mine, theirs: controls summary.json
@@ -490,7 +482,7 @@ def across_profiles(title: str, mine: dict, theirs: dict) -> list[str]:
         if (o := then.get((arm, baseline))) is None:
             continue
         here, there = standing(c, m["higher_is_better"]), standing(o, m["higher_is_better"])
-        final = all(_arm_done(s, a) for s in (mine, theirs) for a in (arm, baseline))
+        final = not any(open_arms(s, (arm, baseline)) for s in (mine, theirs))
         if here is None or there is None:
             agree = "not yet comparable"
         else:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import claims
 from .family import Plan
-from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_t, save_figure
+from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
 from .geometry import (
     Measure,
     controls_markdown,
@@ -19,6 +19,7 @@ from .geometry import (
     fmt_diff,
     lead_plot,
     mechanism_plot,
+    significant,
     time_to,
 )
 from .grok_interventions import (
@@ -519,7 +520,9 @@ def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]
                 acc, "pp", "changes final validation accuracy"
             )
         else:
-            verdict = _null_verdict(nodecay, "epochs", "makes AdamW grok")
+            acc, verdict = nodecay, _null_verdict(nodecay, "epochs", "makes AdamW grok")
+        if acc["n_seeds"] >= 2:  # below the planned runs of either arm the verdict is provisional
+            verdict = provisional(verdict, open_arms(s, ("adamw-qk-nodecay", "adamw")), significant(acc))
         rows.append((link, prof, claims.GROK_NODECAY_TEXT, got, verdict))
     for op, pilot in s.get("pilots", {}).items():
         runs = [r for r in s["runs"] if r["op"] == op]
