@@ -58,6 +58,8 @@ def test_smoke_experiment_shares_one_checkpoint_per_model_and_records_the_conver
     assert {(c["arm"], c["baseline"]) for c in summary["comparisons"]} >= {("nearest", "adamw")}
     rows = P.FAMILY.claim_rows("main", summary, "link", "smoke")  # as REPORT reads it back: one seed, no CI
     assert len(rows) == len(P.MODELS) and all("untested" in row[4] for row in rows)
+    summary["planned_by_arm"] = {"adamw": [1, 3], "nearest": [1, 1]}  # a row waits for every planned run
+    assert all(r[4].startswith("so far (adamw 1/3 runs): ") for r in P.FAMILY.claim_rows("main", summary, "l", "smoke"))
     # the same command again runs nothing and pretrains nothing
     stamps = [p.stat().st_mtime_ns for p in made]
     capsys.readouterr()

@@ -43,7 +43,7 @@ from ..nn import frames
 from ..optim import NonFiniteGradientError, StiefelAdam, param_groups
 from .errors import UserError
 from .family import Family, check_data
-from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, save_figure
+from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, open_arms, provisional, save_figure
 from .lm import cached_text, window_loss
 from .lock import exclusive
 from .records import Cell
@@ -599,7 +599,7 @@ class PretrainedFamily(Family):
                     f"(not the paper's; issue 27) a pretrained {model}: what converting W_Q, W_K to frames costs, "
                     "and fine-tuning with StiefelAdam against continuing with AdamW",
                     f"loss right after conversion, above the checkpoint's: {conv}; final loss − adamw: {finals}",
-                    verdict(summary, model),
+                    provisional(verdict(summary, model), open_arms(summary, ARMS), decided=True),
                 )
             )
         return rows
