@@ -500,7 +500,8 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
 
 
 def test_the_no_decay_claim_row_reads_the_controls_comparison():
-    from stiefel_attention.bench.grok_report import claim_rows, grok_summary
+    from stiefel_attention.bench.grok_report import _null_verdict, claim_rows, grok_summary
+    from stiefel_attention.bench.stats import paired_comparison
 
     def row(nodecay_epochs, nodecay_acc, by_arm=None):
         recs = []
@@ -523,7 +524,19 @@ def test_the_no_decay_claim_row_reads_the_controls_comparison():
     assert got.startswith("neither arm reaches 95% in any seed; final val acc: +5.1 pp [+3.3, +6.9]")
     assert verdict.startswith("untestable on grokking (no run of either arm groks); on final val acc: does not")
     _, verdict = row((6000, 6100, 6200, 6300, 6400), 1.0)
-    assert verdict == "does not replicate: exempting W_Q, W_K from decay makes AdamW grok significantly sooner"
+    assert verdict == (
+        "does not replicate: exempting W_Q, W_K from decay makes AdamW grok significantly sooner (95% CI, "
+        "p_t=4.1e-09; the Wilcoxon p 0.062 is the smallest 5 pairs of one sign allow)"
+    )
+    # as at the paper's widths: one pair tied (both never grok), four one way; the Wilcoxon floor rises to 2/2^4
+    _, verdict = row((None, 18650, 18770, 19070, 18000), 1.0)
+    assert verdict.endswith(
+        "sooner (95% CI, p_t=0.028; the Wilcoxon p 0.12 is the smallest 4 pairs of one sign allow, 1 tied)"
+    )
+    mixed = paired_comparison([6000.0, 6100.0, 6200.0, 6300.0, 9000.0], [9000.0, 9500.0, 9200.0, 9400.0, 8800.0])
+    assert _null_verdict(mixed, "epochs", "makes AdamW grok").endswith(  # one pair the other way
+        "sooner (95% CI, p_t=0.021; not the Wilcoxon test, p=0.12)"
+    )
     # below the planned runs of either arm: no difference decides nothing yet; an effect found holds 'so far'
     plan = {"adamw": [3, 5], "adamw-qk-nodecay": [3, 5], "frozen": [3, 5], "stiefel-adam": [5, 5]}
     _, verdict = row((None, 19000, None), 0.3, plan)
@@ -531,9 +544,9 @@ def test_the_no_decay_claim_row_reads_the_controls_comparison():
         "not decided yet (adamw 3/5, adamw-qk-nodecay 3/5 runs); at these seeds: replicates: no significant difference"
     )
     _, verdict = row((6000, 6100, 6200), 1.0, plan)
-    assert verdict == (
+    assert verdict.startswith(
         "so far (adamw 3/5, adamw-qk-nodecay 3/5 runs): does not replicate: exempting W_Q, W_K from decay makes AdamW "
-        "grok significantly sooner"
+        "grok significantly sooner ("
     )
     _, verdict = row((None,) * 3, 0.3, plan)  # compared on final accuracy: the same rule
     assert verdict.startswith("so far (adamw 3/5, adamw-qk-nodecay 3/5 runs): untestable on grokking")

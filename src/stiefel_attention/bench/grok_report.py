@@ -140,7 +140,9 @@ def grok_summary(
 
 
 def _null_verdict(st: dict, unit: str, effect: str) -> str:
-    """A claim of no effect: replicated where the paired 95% CI includes 0 (with the sizes it allows)."""
+    """A claim of no effect: replicated where the paired 95% CI includes 0 (with the sizes it allows). Where the
+    CI excludes 0, the verdict says whether the Wilcoxon test agrees, or why it cannot: with k pairs of one sign
+    (tied pairs drop out) its exact p is at least 2 / 2^k."""
     if st["n_seeds"] < 2:
         return "too few seeds to test"
     lo, hi = st["ci95"]
@@ -151,7 +153,19 @@ def _null_verdict(st: dict, unit: str, effect: str) -> str:
         effect += " significantly " + ("later" if st["mean_diff"] > 0 else "sooner")
     else:
         effect += f" significantly ({st['mean_diff']:+.{digits}f} {unit})"
-    return f"does not replicate: exempting W_Q, W_K from decay {effect}"
+    untied = st["wins"] + st["losses"]
+    if st["supported"]:
+        tests = "both tests"
+    elif untied and max(st["wins"], st["losses"]) == untied:
+        ties = st["n_seeds"] - untied
+        tied = f", {ties} tied" if ties else ""
+        tests = (
+            f"95% CI, p_t={fmt_p(st['p_t'])}; the Wilcoxon p {fmt_p(st['p_wilcoxon'])} is the smallest "
+            f"{untied} pairs of one sign allow{tied}"
+        )
+    else:
+        tests = f"95% CI, p_t={fmt_p(st['p_t'])}; not the Wilcoxon test, p={fmt_p(st['p_wilcoxon'])}"
+    return f"does not replicate: exempting W_Q, W_K from decay {effect} ({tests})"
 
 
 def _single_verdict(runs: list[dict], paper: dict) -> str:
