@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .arms import arm_spec
-from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, save_figure, undefined
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, provisional, save_figure, undefined
 from .stats import describe, paired_comparison
 
 __all__ = [
@@ -646,8 +646,7 @@ def _testbed_row(
     mech = (controls or {}).get("mechanism", {})
     verdict = _verdict(sens, vs, leads, m, digits, mech, (decay or {}).get("fallback_measure"))
     begun = [f"{arm} {done}/{total}" for arm, (done, total) in (planned_by_arm or {}).items() if 0 < done < total]
-    if begun:
-        verdict = f"so far ({', '.join(begun)} runs): {verdict}"
+    verdict = provisional(verdict, begun, decided=True)
     return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt or "not run", verdict)
 
 

@@ -147,7 +147,7 @@ def _null_verdict(st: dict, unit: str, effect: str) -> str:
         return "too few seeds to test"
     lo, hi = st["ci95"]
     digits = 0 if unit == "epochs" else 1
-    if lo <= 0 <= hi:
+    if not significant(st):
         return f"replicates: no significant difference (the CI allows {lo:+.{digits}f} to {hi:+.{digits}f} {unit})"
     if unit == "epochs":
         effect += " significantly " + ("later" if st["mean_diff"] > 0 else "sooner")
@@ -528,15 +528,15 @@ def claim_rows(exp: str, s: dict, link: str, prof: str) -> list[tuple[str, ...]]
         runs = {(r["arm"], r["seed"]): r for r in s["runs"] if r["op"] == "+"}
         pairs = [(runs[("adamw-qk-nodecay", k)], runs[("adamw", k)]) for k in nodecay["seeds"]]
         if all(a["epoch_val_acc_95"] is None and b["epoch_val_acc_95"] is None for a, b in pairs):
-            acc = paired_comparison([a["final_val_acc"] for a, _ in pairs], [b["final_val_acc"] for _, b in pairs])
-            got = f"neither arm reaches 95% in any seed; final val acc: {fmt_diff(acc, 'pp', 1)}"
+            rests_on = paired_comparison([a["final_val_acc"] for a, _ in pairs], [b["final_val_acc"] for _, b in pairs])
+            got = f"neither arm reaches 95% in any seed; final val acc: {fmt_diff(rests_on, 'pp', 1)}"
             verdict = "untestable on grokking (no run of either arm groks); on final val acc: " + _null_verdict(
-                acc, "pp", "changes final validation accuracy"
+                rests_on, "pp", "changes final validation accuracy"
             )
         else:
-            acc, verdict = nodecay, _null_verdict(nodecay, "epochs", "makes AdamW grok")
-        if acc["n_seeds"] >= 2:  # below the planned runs of either arm the verdict is provisional
-            verdict = provisional(verdict, open_arms(s, ("adamw-qk-nodecay", "adamw")), significant(acc))
+            rests_on, verdict = nodecay, _null_verdict(nodecay, "epochs", "makes AdamW grok")
+        if rests_on["n_seeds"] >= 2:  # below the planned runs of either arm the verdict is provisional
+            verdict = provisional(verdict, open_arms(s, ("adamw-qk-nodecay", "adamw")), significant(rests_on))
         rows.append((link, prof, claims.GROK_NODECAY_TEXT, got, verdict))
     for op, pilot in s.get("pilots", {}).items():
         runs = [r for r in s["runs"] if r["op"] == op]
