@@ -26,8 +26,10 @@ ORTHO_ARMS = (
     "coordinate-moment",
     "orthogonal-param",
     "stiefel-adam-temp",
+    "stiefel-adam-bounded",
+    "stiefel-adam-bounded-temp",
 )
-STANDARD_ARMS = ("adamw", "adamw-qk-nodecay", "qk-norm", "muon")
+STANDARD_ARMS = ("adamw", "adamw-qk-nodecay", "qk-norm", "muon", "adamw-bounded")
 # Parameters an arm may add to or re-parametrise on the query-key path
 ROUTING = ("w_q", "w_k", "original", "q_gain", "k_gain", "log_temperature")
 

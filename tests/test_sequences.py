@@ -160,7 +160,7 @@ def test_a_sweep_grid_extension_adds_values_past_the_edge_once():
 
 @pytest.mark.parametrize("family", [lm, mqar])
 def test_the_sweep_plans_the_frame_arms_at_adamws_lr_once_it_is_chosen(family, monkeypatch):
-    lr_arms = {a for a in training.SEQUENCE_ARMS if arm_spec(a).swept == "lr"}
+    lr_arms = {a for a in training.SWEPT_ARMS if arm_spec(a).swept == "lr"}
     monkeypatch.setitem(family.PROFILES["cpu"], "tuned", {})
     stage_one = family.cells("lr-sweep", "cpu", 1)
     assert {c.config["arm"] for c in stage_one} == lr_arms
@@ -174,7 +174,7 @@ def test_the_sweep_plans_the_frame_arms_at_adamws_lr_once_it_is_chosen(family, m
     assert family.FAMILY.plan_note("lr-sweep", "cpu") == ""
     assert [c.key for c in both[: len(stage_one)]] == [c.key for c in stage_one]  # stage one is unchanged
     frames = [c.config for c in both[len(stage_one) :]]
-    assert {c["arm"] for c in frames} == set(training.SEQUENCE_ARMS) - lr_arms
+    assert {c["arm"] for c in frames} == set(training.SWEPT_ARMS) - lr_arms
     assert {c["lr"] for c in frames} == {0.004}  # every parameter but W_Q, W_K at adamw's choice
     swept = {(c["arm"], c["frame_lr"]) for c in frames}
     assert {(a, x) for a, grid in training.FRAME_LR_GRID.items() for x in grid} <= swept

@@ -71,8 +71,15 @@ class StiefelAttention(nn.Module):
     users have today; "orthonormal" starts from exactly the frames the Stiefel arm starts from.
     qk_norm: RMSNorm over the head dimension on q and k, each with a learnable gain of size
     head_dim shared by the heads (as timm's qk_norm and Gemma 3), before the 1/sqrt(head_dim) scaling.
-    temperature: one learnable log-temperature per head, initialised at 0; head h's logits are
-    multiplied by exp(log_temperature[h]).
+    temperature: one learnable log-temperature t_h per head, initialised at 0; head h's logits are
+    multiplied by T_h = exp(t_h), or, with max_temperature=c (c > 1), by T_h = c * sigmoid(t_h - log(c - 1)): 1 at
+    t_h = 0, below c for every t_h, with d log T_h / d t_h = 1 - T_h / c (as exp far below the cap, and a gradient
+    that never vanishes).
+    qk_input_norm: queries and keys read their input through an RMS normalisation without a gain
+    (x -> x / rms(x) over d_model, so ||x|| <= sqrt(d_model)); the values read the input as it is. With
+    orthonormal W_Q, W_K (frames: ||W_Q,h W_K,h^T||_2 = 1) every logit is then bounded by construction,
+    |s| <= logit_scale * T * d_model / sqrt(head_dim), T = 1 or max_temperature, whatever the input, the weights
+    or the gains before attention (`logit_bound`). With Euclidean W_Q, W_K it is the norm without the bound.
     qk_layout="linear" stores W_Q, W_K as nn.Linear-shaped (n_heads*head_dim, d_model) matrices
     behind a reshaping parametrization, for optimizers that take 2-D matrices only (torch.optim.Muon);
     `w_q`, `w_k` still read as (H, D, r) and the computation is the same.
@@ -103,8 +110,17 @@ class StiefelAttention(nn.Module):
         logit_softcap: float | None = None,
         logit_scale: float = 1.0,
         track_logits: bool = False,
+        qk_input_norm: bool = False,
+        max_temperature: float | None = None,
     ):
         super().__init__()
+        if max_temperature is not None:
+            if not temperature:
+                raise ValueError("max_temperature caps the learnable temperature: pass temperature=True with it")
+            if not (math.isfinite(max_temperature) and max_temperature > 1):
+                raise ValueError(
+                    f"max_temperature must be a finite number > 1 (temperatures start at 1), got {max_temperature!r}"
+                )
         if logit_softcap is not None and not (math.isfinite(logit_softcap) and logit_softcap > 0):
             raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
         if not (math.isfinite(logit_scale) and logit_scale >= 0):
@@ -130,6 +146,8 @@ class StiefelAttention(nn.Module):
         self.qk, self.qk_init, self.causal = qk, qk_init, causal
         self.qk_norm, self.temperature, self.qk_layout = qk_norm, temperature, qk_layout
         self.logit_softcap, self.logit_scale, self.track_logits = logit_softcap, float(logit_scale), track_logits
+        self.qk_input_norm = qk_input_norm
+        self.max_temperature = None if max_temperature is None else float(max_temperature)
         self.logit_stats: dict[str, Tensor] | None = None  # {"max": (H,), "min": (H,)} with track_logits
 
         init = self._draw_qk()  # (2, H, D, r)
@@ -191,15 +209,41 @@ class StiefelAttention(nn.Module):
         return (x @ flat).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, r)
 
     def _qk(self, x_q: Tensor, x_k: Tensor) -> tuple[Tensor, Tensor]:
-        """Queries and keys per head, (B, H, Nq, r) and (B, H, Nk, r), with the norm and temperature applied."""
+        """Queries and keys per head, (B, H, Nq, r) and (B, H, Nk, r), with the norms and temperature applied."""
+        if self.qk_input_norm:
+            same = x_k is x_q
+            x_q = _rms_norm(x_q)  # over d_model, no gain: ||x|| <= sqrt(d_model)
+            x_k = x_q if same else _rms_norm(x_k)
         q = self._heads(x_q, self.w_q)
         k = self._heads(x_k, self.w_k)
         if self.qk_norm:
             q = _rms_norm(q) * self.q_gain
             k = _rms_norm(k) * self.k_gain
         if self.temperature:
-            q = q * self.log_temperature.exp().view(1, -1, 1, 1)
+            q = q * self.temperatures().view(1, -1, 1, 1)
         return q, k
+
+    def temperatures(self) -> Tensor:
+        """Each head's logit multiplier from its log-temperature, (H,): exp(t), or c sigmoid(t - log(c - 1)) below
+        max_temperature=c. Only with temperature=True."""
+        t = self.log_temperature
+        c = self.max_temperature
+        return t.exp() if c is None else c * torch.sigmoid(t - math.log(c - 1.0))
+
+    def logit_bound(self) -> float | None:
+        """The largest |logit| this module can produce whatever its input and weights, before the soft-cap; None
+        when nothing bounds it (Euclidean W_Q, W_K, no qk_input_norm, an uncapped temperature, qk_norm's gains).
+
+        With qk_input_norm, ||x|| <= sqrt(d_model); orthonormal W_Q, W_K give ||W_Q,h W_K,h^T||_2 = 1, so
+        |x_i^T W_Q W_K^T x_j| <= d_model, times logit_scale, the temperature's cap and 1/sqrt(head_dim). A soft-cap
+        c bounds the logits the softmax sees by c in any case.
+        """
+        if not self.qk_input_norm or self.qk_norm or self.qk not in _ORTHONORMAL_MODES:
+            return None
+        if self.temperature and self.max_temperature is None:
+            return None
+        cap = self.max_temperature if self.temperature else 1.0
+        return self.logit_scale * cap * self.d_model / math.sqrt(self.head_dim)
 
     def _values(self, x: Tensor) -> Tensor:
         B, N, _ = x.shape
@@ -280,13 +324,14 @@ class StiefelAttention(nn.Module):
 
         Gains, temperatures and logit_scale are folded in (Q' = logit_scale exp(t_h) W_Q diag(g_q),
         K' = W_K diag(g_k)); the fixed 1/sqrt(head_dim) is not, nor the soft-cap (not linear). With qk_norm
-        the logits also divide by the RMS of q and k, which depends on the input and is not part of A.
+        the logits also divide by the RMS of q and k, and with qk_input_norm by the RMS of the inputs, which
+        depend on the input and are not part of A.
         """
         wq, wk = self.w_q.detach() * self.logit_scale, self.w_k.detach()
         if self.qk_norm:
             wq, wk = wq * self.q_gain.detach(), wk * self.k_gain.detach()
         if self.temperature:
-            wq = wq * self.log_temperature.detach().exp().view(-1, 1, 1)
+            wq = wq * self.temperatures().detach().view(-1, 1, 1)
         return wq, wk
 
     def qk_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -309,7 +354,9 @@ class StiefelAttention(nn.Module):
         return [("w_q", self.w_q), ("w_k", self.w_k)]
 
     def extra_repr(self) -> str:
-        extra = "".join(f", {k}=True" for k in ("qk_norm", "temperature", "track_logits") if getattr(self, k))
+        options = ("qk_norm", "qk_input_norm", "temperature", "track_logits")
+        extra = "".join(f", {k}=True" for k in options if getattr(self, k))
+        extra += f", max_temperature={self.max_temperature:g}" if self.max_temperature is not None else ""
         extra += ", qk_layout=linear" if self.qk_layout == "linear" else ""
         extra += f", logit_softcap={self.logit_softcap:g}" if self.logit_softcap is not None else ""
         extra += f", logit_scale={self.logit_scale:g}" if self.logit_scale != 1.0 else ""
@@ -320,15 +367,15 @@ class StiefelAttention(nn.Module):
 
 
 def _rms_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / RMS(x) over the last dimension (the head dimension)."""
+    """x / RMS(x) over the last dimension, with no gain: ||x|| <= sqrt(x.shape[-1]) (eps only lowers it)."""
     return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
 
 
 class Block(nn.Module):
     """Transformer block; pre-norm when layernorm=True, plain residual otherwise.
 
-    attn_options (qk_norm, temperature, qk_layout, logit_softcap, logit_scale, track_logits) go to
-    StiefelAttention unchanged.
+    attn_options (qk_norm, qk_input_norm, temperature, max_temperature, qk_layout, logit_softcap, logit_scale,
+    track_logits) go to StiefelAttention unchanged.
     """
 
     def __init__(

@@ -20,7 +20,16 @@ from torch.optim import Optimizer
 from ..nn import qk_parameters
 from ..optim import StiefelAdam, StiefelSGD, param_groups
 
-__all__ = ["ARMS", "Arm", "HyperParameters", "arm_spec", "build_optimizers", "attention_options"]
+__all__ = [
+    "ARMS",
+    "BOUNDED_ARMS",
+    "BOUNDED_MAX_TEMPERATURE",
+    "Arm",
+    "HyperParameters",
+    "arm_spec",
+    "build_optimizers",
+    "attention_options",
+]
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,7 @@ Builder = Callable[[nn.Module, HyperParameters], list[Optimizer]]
 class Arm:
     name: str
     description: str
-    attention: dict[str, Any]  # StiefelAttention options: qk, qk_init, qk_norm, temperature, qk_layout
+    attention: dict[str, Any]  # StiefelAttention options: qk, qk_init, qk_norm, qk_input_norm, temperature, ...
     optimizers: Builder
     swept: str = "lr"  # the learning rate its validation sweep chooses: "lr" (every parameter) or "frame_lr" (W_Q, W_K)
     trust_region: bool = False  # the frames' rule is the paper's Adam, which takes max_step
@@ -132,6 +141,10 @@ def _frozen(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
 
 _EUCLID = dict(qk="euclidean", qk_init="standard")
 _FRAMES = dict(qk="stiefel", qk_init="orthonormal")
+# The cap of the bounded arm's learnable temperature, fixed before its runs: with it the bound is 4 d_model/sqrt(r),
+# 64 at the lm cpu widths, above the largest attention logit of adamw's lm runs at their tuned rate (32.5-46.7), so
+# the cap binds only where logits grow past normal training (as lm's QK-Clip threshold, 50, was chosen).
+BOUNDED_MAX_TEMPERATURE = 4.0
 
 ARMS: dict[str, Arm] = {
     a.name: a
@@ -207,8 +220,33 @@ ARMS: dict[str, Arm] = {
             swept="frame_lr",
             trust_region=True,
         ),
+        Arm(
+            "stiefel-adam-bounded",
+            "StiefelAdam frames reading a gain-free RMS-normalised input: every logit bounded by d/sqrt(r)",
+            dict(_FRAMES, qk_input_norm=True),
+            _stiefel("adam"),
+            swept="frame_lr",
+            trust_region=True,
+        ),
+        Arm(
+            "adamw-bounded",
+            "control: the bounded arm's input norm on ordinary Q/K, AdamW (the norm without the frames)",
+            dict(_EUCLID, qk_input_norm=True),
+            lambda m, hp: [_adamw(m, hp)],
+            decays_qk=True,
+        ),
+        Arm(
+            "stiefel-adam-bounded-temp",
+            "the bounded frames plus a learnable temperature per head capped at 4 (bound 4 d/sqrt(r))",
+            dict(_FRAMES, qk_input_norm=True, temperature=True, max_temperature=BOUNDED_MAX_TEMPERATURE),
+            _stiefel("adam"),
+            swept="frame_lr",
+            trust_region=True,
+        ),
     )
 }
+# The bounded-logit arms: frames whose logit is bounded by construction, and their controls.
+BOUNDED_ARMS = ("stiefel-adam-bounded", "adamw-bounded", "stiefel-adam-bounded-temp")
 
 
 def arm_spec(arm: str) -> Arm:

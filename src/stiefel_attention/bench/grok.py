@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..manifold import isometry_error
 from ..metrics import attention_metrics
 from ..nn import qk_clip, qk_matrices, reset_logit_stats
-from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
+from .arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
 from .family import Family
 from .grok_interventions import INTERVENTION_KEYS, PROTOCOL_SEEDS, intervention_tag
 from .grok_report import GROK_THRESHOLD, SLINGSHOT_OPS, claim_rows, write_grok_report
@@ -70,7 +70,7 @@ ARMS = ("adamw", "stiefel-adam")
 # Every arm runs at the reference optimisation (lr 1e-3 for every parameter, W_Q and W_K included),
 # as the two original arms do: the grokking protocol has no learning-rate sweep. Muon's rate is on
 # AdamW's scale through adjust_lr_fn="match_rms_adamw".
-CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "frozen", "qk-norm", "muon", "stiefel-adam-temp")
+CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "frozen", "qk-norm", "muon", "stiefel-adam-temp", *BOUNDED_ARMS)
 DECAY_VALUES = (0.1, 0.3)  # weight decay of the `decay` experiment; 1.0 is the study's
 EXPERIMENTS = ("single", "study", "slingshot", "controls", "decay", "interventions")
 DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5, "interventions": PROTOCOL_SEEDS}

@@ -121,7 +121,7 @@ DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6, "lr-stability": 3}
 # best value sat on that edge: results/lm/lr-sweep/summary.md flags such arms.
 SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
     "cpu": {
-        **{arm: (3e-2,) for arm in ("adamw", "adamw-orthoinit", "adamw-qk-nodecay", "qk-norm")},
+        **{arm: (3e-2,) for arm in ("adamw", "adamw-orthoinit", "adamw-qk-nodecay", "qk-norm", "adamw-bounded")},
         "frozen": (3e-2, 1e-1),
         "muon": (3e-2, 1e-1),
         "orthogonal-param": (3e-2,),

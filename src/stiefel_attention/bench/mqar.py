@@ -103,7 +103,13 @@ DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
 # best value sat on that edge: results/mqar/lr-sweep/summary.md flags such arms.
 SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
-    "cpu": {"frozen": (3e-2,), "qk-norm": (3e-2,), "muon": (3e-2, 1e-1), "stiefel-sgd": (3e-2,)},
+    "cpu": {
+        "frozen": (3e-2,),
+        "qk-norm": (3e-2,),
+        "muon": (3e-2, 1e-1),
+        "stiefel-sgd": (3e-2,),
+        "adamw-bounded": (3e-2,),  # as qk-norm's, the other normalised arm, fixed before its sweep
+    },
 }
 _TEST_SEED, _VAL_SEED = 10_000_019, 10_000_079  # the fixed evaluation sets; no run seed can draw these streams
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..metrics import attention_metrics
 from ..nn import routing_parameters
-from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
+from .arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
 from .errors import NotReady
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "hyperparameters",
     "log_mechanism",
     "SEQUENCE_ARMS",
+    "SWEPT_ARMS",
     "anchor_lr",
     "sweep_points",
     "sweep_note",
@@ -112,6 +113,8 @@ SEQUENCE_ARMS = (
     "muon",
     "stiefel-adam-temp",
 )
+# The arms each sequence testbed's sweep tunes: its main arms, and the bounded-logit arms (their own issue)
+SWEPT_ARMS = SEQUENCE_ARMS + BOUNDED_ARMS
 # By the rate each arm sweeps (`Arm.swept`): every parameter's lr, or W_Q, W_K's frame_lr.
 LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
 FRAME_LR_GRID = {
@@ -120,6 +123,9 @@ FRAME_LR_GRID = {
     "stiefel-sgd": (0.1, 0.3, 1.0, 3.0, 10.0),
     "orthogonal-param": (3e-4, 1e-3, 3e-3, 1e-2),
     "muon": (3e-4, 1e-3, 3e-3, 1e-2),
+    # stiefel-adam's grid with the value its lm sweep had to add past the edge (0.3), fixed before their sweeps
+    "stiefel-adam-bounded": (3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
+    "stiefel-adam-bounded-temp": (3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
 }
 
 
@@ -142,11 +148,11 @@ def sweep_points(
     an edge of the arm's grid (the protocol, when the best value sits on that edge). The smoke profile
     takes two values per arm: it only has to run."""
     extended = extended or {}
-    unknown = set(extended) - set(SEQUENCE_ARMS)
+    unknown = set(extended) - set(SWEPT_ARMS)
     if unknown:
         raise ValueError(f"grid extensions for arms that do not sweep: {sorted(unknown)}")
     points = []
-    for arm in sorted(SEQUENCE_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
+    for arm in sorted(SWEPT_ARMS, key=lambda a: arm_spec(a).swept != "lr"):
         which = arm_spec(arm).swept
         if which != "lr" and anchor is None:
             continue
