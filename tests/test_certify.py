@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from stiefel_attention import certify as certify_module
+from stiefel_attention import nn as nn_module
 from stiefel_attention import optim as optim_module
 from stiefel_attention.bench import cli
 from stiefel_attention.certify import Check, certify
 from stiefel_attention.optim import StiefelAdam
 
-N_CHECKS = 13  # 11 properties of the rule, 2 must-fail controls (StiefelSGD's scale, coordinate-wise moment)
+# 11 properties of the rule, 2 of the logit bound; 3 must-fail controls (StiefelSGD's scale, coordinate-wise moment,
+# the bound without the input norm)
+N_CHECKS = 16
 
 
 def _by_property(results: list[Check]) -> dict[str, Check]:
@@ -42,8 +45,8 @@ def test_check_passes_by_its_kind(residual, must_fail, passed):
 def test_certify_runs_every_check_and_all_pass():
     results = certify(seed=1)
     assert len(results) == N_CHECKS and len({c.property for c in results}) == N_CHECKS
-    assert sum(c.must_fail for c in results) == 2
-    assert {c.property.split()[0] for c in results} == {"1", "2", "3", "4", "5", "6"}  # every proposition
+    assert sum(c.must_fail for c in results) == 3
+    assert {c.property.split()[0] for c in results} == {"1", "2", "3", "4", "5", "6", "7"}  # every proposition
     assert all(c.passed for c in results), [c.property for c in results if not c.passed]
 
 
@@ -79,6 +82,19 @@ def test_a_must_fail_control_fails_when_its_ablation_no_longer_breaks_the_proper
     monkeypatch.setattr(certify_module, "StiefelSGD", lambda params, lr: StiefelAdam(params, lr=lr, eps=0.0))
     failed = [c.property for c in certify(seed=0) if not c.passed]
     assert failed == ["2 scale independence must fail for StiefelSGD (degree one), c=10"]
+
+
+def test_an_input_norm_that_does_not_normalise_fails_exactly_the_bound_check(monkeypatch):
+    monkeypatch.setattr(nn_module, "_rms_norm", lambda x, eps=1e-6: x)
+    failed = [c.property for c in certify(seed=0) if not c.passed]
+    assert failed == ["7 logit bound: max |s| / (scale T d / sqrt(r)) - 1 with qk_input_norm, inputs to 1e6"]
+
+
+def test_a_bound_set_too_high_fails_the_attained_check(monkeypatch):
+    real = nn_module.StiefelAttention.logit_bound
+    monkeypatch.setattr(nn_module.StiefelAttention, "logit_bound", lambda self: 2 * real(self))
+    failed = [c.property for c in certify(seed=0) if not c.passed]
+    assert failed == ["7 logit bound: attained by inputs along the frames (1 - max |s| / bound; rms eps)"]
 
 
 def test_the_certify_command_exits_non_zero_when_a_check_fails(monkeypatch, capsys):

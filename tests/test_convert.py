@@ -305,7 +305,9 @@ def _frames_of(projections) -> tuple[torch.Tensor, torch.Tensor]:
     return got["q"], got["k"]
 
 
-def _logits_from_frames(module, x, frames_q, frames_k) -> torch.Tensor:
+def _logits_from_frames(module, x, frames_q, frames_k, qk_input_norm: bool = False) -> torch.Tensor:
+    if qk_input_norm:  # x / rms(x) over d_model, no gain, written out here
+        x = x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6)
     q = torch.einsum("bnd,hdr->bhnr", x, frames_q)
     k = torch.einsum("bnd,hdr->bhnr", x, frames_k)
     if isinstance(getattr(module, "q_norm", None), nn.Module):  # per-head norms of the module's own
@@ -314,7 +316,7 @@ def _logits_from_frames(module, x, frames_q, frames_k) -> torch.Tensor:
     return q @ k.transpose(-2, -1)  # (B, H, N, N)
 
 
-def _head_wiring_errors(name: str) -> list[str]:
+def _head_wiring_errors(name: str, qk_input_norm: bool = False) -> list[str]:
     factory, make_inputs, _, _ = CASES[name]
     torch.manual_seed(0)
     model = factory().double().eval()
@@ -328,11 +330,13 @@ def _head_wiring_errors(name: str) -> list[str]:
                     if isinstance(getattr(p.owner, bias, None), torch.Tensor):
                         getattr(p.owner, bias).zero_()
         seen = _probe(model, [m for _, m, _ in found], make_inputs())
-        stiefelize(model, init="nearest")
+        stiefelize(model, init="nearest", qk_input_norm=qk_input_norm)
+        if qk_input_norm:  # the model's own logits, now with the input norm, on inputs 1e3 times larger
+            seen = _probe(model, [m for _, m, _ in found], _scaled(make_inputs(), 1e3))
         errors = []
         for where, module, projections in found:
             x, got, kind = seen[module]
-            want = _logits_from_frames(module, x, *_frames_of(projections))
+            want = _logits_from_frames(module, x, *_frames_of(projections), qk_input_norm=qk_input_norm)
             if kind == "diag":
                 want = want.diagonal(dim1=-2, dim2=-1)
             elif kind == "probs":
@@ -345,6 +349,13 @@ def _head_wiring_errors(name: str) -> list[str]:
                     gap = float((got[:, h] - want[:, h]).abs().max())
                     errors.append(f"{where or name} head {h}: {kind} differ by {gap:.2g}")
     return errors
+
+
+def _scaled(inputs, c: float):
+    """Float inputs times c (token ids, masks as they are)."""
+    if isinstance(inputs, dict):
+        return {k: v * c if v.is_floating_point() else v for k, v in inputs.items()}
+    return inputs * c
 
 
 class _PermutedHeads(convert_module.StiefelProjection):
@@ -388,6 +399,86 @@ def test_the_head_check_fails_on_a_permuted_head_layout(name, monkeypatch):
         torch.testing.assert_close(_run(stiefelize(model, init="nearest"), _double(inputs), select), want)
     errors = _head_wiring_errors(name)  # ...but its frames are not the model's heads
     assert errors and all("differ" in e for e in errors)
+
+
+# --- qk_input_norm: queries and keys read x / rms(x), the values x --------------------------------------------
+SEPARATE_QK = ("bert", "llama-gqa", "llama-mqa", "mistral", "qwen2-gqa", "vit")  # own query and key projections
+FUSED_QK = sorted(set(CASES) - set(SEPARATE_QK))
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", SEPARATE_QK)
+def test_with_the_input_norm_the_frames_read_the_normalised_input_in_the_models_own_heads(name):
+    assert _head_wiring_errors(name, qk_input_norm=True) == []
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", ["llama-gqa", "vit"])
+def test_the_input_norm_head_check_fails_on_a_wrong_input_path(name, monkeypatch):
+    # the hook left out: the model's heads read x itself, the check expects x / rms(x)
+    monkeypatch.setattr(convert_module.NormalisedInput, "__call__", lambda self, module, args: None)
+    errors = _head_wiring_errors(name, qk_input_norm=True)
+    assert errors and all("differ" in e for e in errors)
+    # a norm with the wrong reduction (over the tokens, not d_model)
+    monkeypatch.setattr(
+        convert_module.NormalisedInput,
+        "__call__",
+        lambda self, module, args: (args[0] / args[0].square().mean(-2, keepdim=True).add(1e-6).sqrt(), *args[1:]),
+    )
+    errors = _head_wiring_errors(name, qk_input_norm=True)
+    assert errors and all("differ" in e for e in errors)
+
+
+@needs_transformers
+def test_the_input_norm_bounds_a_converted_models_logits_and_leaves_its_values_alone():
+    factory, make_inputs, _, _ = CASES["llama-gqa"]
+    torch.manual_seed(0)
+    model = stiefelize(factory().double().eval(), qk_input_norm=True)
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    attn.register_forward_pre_hook(lambda m, a, kw: seen.__setitem__("x", kw["hidden_states"]), with_kwargs=True)
+    attn.v_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("v", a[0]))
+    attn.q_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("q", out))
+    attn.k_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("k", out))
+    with torch.no_grad():  # the pre-attention norm's free gains grown a million-fold, unevenly
+        gains = model.model.layers[0].input_layernorm.weight
+        gains.mul_(1e6 * torch.exp(torch.randn(gains.shape, dtype=gains.dtype)))
+        model(**make_inputs())
+    assert torch.equal(seen["v"], seen["x"])  # the values read the input as it is
+    r, d = attn.head_dim, attn.q_proj.in_features
+    q = seen["q"].view(*seen["q"].shape[:2], -1, r)  # (B, N, H, r), before rotary embeddings (which keep norms)
+    k = seen["k"].view(*seen["k"].shape[:2], -1, r)
+    largest = float(torch.einsum("bnhr,bmgr->bhgnm", q, k).abs().max()) / math.sqrt(r)
+    assert 1.0 < largest <= d / math.sqrt(r) * (1 + 1e-12)
+    assert float(seen["x"].norm(dim=-1).max()) > 1e5
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", FUSED_QK)
+def test_the_input_norm_is_refused_for_fused_layouts_and_the_model_stays_unconverted(name):
+    factory, _, _, _ = CASES[name]
+    torch.manual_seed(0)
+    model = factory()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(StiefelizeError, match="qk_input_norm.*nothing was converted"):
+        stiefelize(model, qk_input_norm=True)
+    assert frames(model) == [] and model.state_dict().keys() == before.keys()
+    assert all(not m._forward_pre_hooks for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@needs_transformers
+def test_unstiefelize_removes_the_input_norm():
+    factory, make_inputs, select, _ = CASES["mistral"]
+    torch.manual_seed(0)
+    plain = factory().double().eval()
+    model = copy.deepcopy(plain)
+    stiefelize(model, init="nearest", qk_input_norm=True)
+    unstiefelize(model)
+    hooks = [h for m in model.modules() for h in m._forward_pre_hooks.values()]
+    assert not any(isinstance(h, convert_module.NormalisedInput) for h in hooks)
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(_run(model, make_inputs(), select), _run(plain, make_inputs(), select))
 
 
 @pytest.mark.parametrize("name", ALL)

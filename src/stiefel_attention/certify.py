@@ -1,4 +1,5 @@
-"""Numerical certification, in float64, of the five propositions and the gauge negative result.
+"""Numerical certification, in float64, of the five propositions, the gauge negative result, and the logit bound
+of frames that read a normalised input (`StiefelAttention(qk_input_norm=True)`).
 
 Each check draws random instances over several frame shapes (including d = r and r = 1),
 measures a residual that is zero in exact arithmetic, and compares it with a tolerance a few
@@ -236,6 +237,61 @@ def check_gauge(gen: torch.Generator) -> list[Check]:
     return [Check("6 gauge: relative gradient along (W_Q A, W_K A), A skew", res, 1e-12)]
 
 
+# --- 7. the logit bound of frames reading a normalised input (qk_input_norm) -----------------
+
+
+def _bound_layer(gen: torch.Generator, d: int, h: int, r: int, qk_input_norm: bool, **options) -> StiefelAttention:
+    with torch.random.fork_rng():  # the layer draws its init from the global RNG; leave it as found
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        return StiefelAttention(d, h, r, qk_input_norm=qk_input_norm, **options).double()
+
+
+def check_logit_bound(gen: torch.Generator) -> list[Check]:
+    """|s| <= logit_scale * T * d / sqrt(r) with qk_input_norm, for inputs an adversary places in each head's frames
+    and scales by up to 1e6 through a LayerNorm's free gains; attained (so it cannot be lowered); exceeded by the
+    same frames without the norm (must fail)."""
+    excess, shortfall, plain_excess = 0.0, 0.0, math.inf
+    for d, h, r, options in (
+        (16, 2, 4, {}),
+        (12, 3, 1, dict(logit_scale=2.5)),
+        (8, 1, 8, dict(temperature=True, max_temperature=3.0)),
+        (32, 4, 8, dict(causal=True)),
+    ):
+        bounded = _bound_layer(gen, d, h, r, True, **options)
+        if bounded.temperature:
+            with torch.no_grad():  # temperatures pushed as far as they go
+                bounded.log_temperature.fill_(50.0)
+        plain = _bound_layer(gen, d, h, r, False, **options)
+        plain.load_state_dict(bounded.state_dict())
+        bound = bounded.logit_bound()
+        # token 2a holds head a's key direction W_K[a] e_1, token 2a+1 its query direction W_Q[a] e_1 (a query sees
+        # the key before it under a causal mask): the pair where x_i^T W_Q W_K^T x_j = ||x_i|| ||x_j||; then
+        # noise, per-channel gains and scales up to 1e6
+        wq, wk = bounded.w_q.detach()[..., 0], bounded.w_k.detach()[..., 0]  # (H, D)
+        aligned = torch.stack([wk, wq], dim=1).reshape(1, 2 * h, d) * math.sqrt(d)  # (1, 2H, D), norms sqrt(d)
+        with torch.no_grad():
+            top = bounded.logits(aligned)
+            shortfall = max(shortfall, 1.0 - float(top[torch.isfinite(top)].abs().max()) / bound)
+            for scale in (1e-6, 1.0, 1e6):
+                gains = torch.exp(2 * torch.randn(d, generator=gen, dtype=F64))
+                noise = 1e-2 * torch.randn(3, 2 * h, d, generator=gen, dtype=F64)
+                x = scale * (aligned + noise) * gains
+                s = bounded.logits(x)
+                excess = max(excess, float(s[torch.isfinite(s)].abs().max()) / bound - 1.0)
+            s = plain.logits(x)  # the largest scale
+            plain_excess = min(plain_excess, float(s[torch.isfinite(s)].abs().max()) / bound - 1.0)
+    return [
+        Check("7 logit bound: max |s| / (scale T d / sqrt(r)) - 1 with qk_input_norm, inputs to 1e6", excess, 1e-12),
+        Check("7 logit bound: attained by inputs along the frames (1 - max |s| / bound; rms eps)", shortfall, 1e-5),
+        Check(
+            "7 logit bound must fail without qk_input_norm (inputs at 1e6: max |s| / bound - 1)",
+            plain_excess,
+            1.0,
+            must_fail=True,
+        ),
+    ]
+
+
 CHECKS = [
     check_steepest_descent,
     check_scale_independence,
@@ -243,6 +299,7 @@ CHECKS = [
     check_equivariance,
     check_weight_decay,
     check_gauge,
+    check_logit_bound,
 ]
 
 

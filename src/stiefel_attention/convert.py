@@ -37,9 +37,10 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from .manifold import polar_retract, random_frame
-from .nn import FrameParametrization
+from .nn import FrameParametrization, _rms_norm
 
 __all__ = [
+    "NormalisedInput",
     "Projection",
     "Adapter",
     "register_adapter",
@@ -576,8 +577,41 @@ def why_not(model: nn.Module) -> str:
     return f"no adapter knows the layout of {', '.join(attention)} (linear layers: {', '.join(kids) or 'none'})"
 
 
+class NormalisedInput:
+    """Forward pre-hook of a query or key projection: it reads x / rms(x) over the last dimension, with no gain
+    (`stiefelize(qk_input_norm=True)`, the converted counterpart of `StiefelAttention(qk_input_norm=True)`)."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        return (_rms_norm(args[0]), *args[1:])
+
+
+def _input_norm_refusal(name: str, projections: list[Projection]) -> str | None:
+    """Why qk_input_norm cannot be given to this module's projections (None: it can)."""
+    for p in projections:
+        kinds = [kind for kind, _ in p.pieces]
+        if kinds not in (["q"], ["k"]):
+            shared = "the values" if "rest" in kinds and "k" in kinds else "another block"
+            shares = ", ".join(f"{kind} ({n})" for kind, n in p.pieces)
+            return (
+                f"{name}: qk_input_norm normalises the input of the query and key projections only, and "
+                f"{type(p.owner).__name__}.{p.name} computes {shares} from one input, so {shared} would read the "
+                "normalised input too (a fused layout); it needs separate query and key projections"
+            )
+        if p.name != "weight":
+            return (
+                f"{name}: qk_input_norm normalises the first argument of the module that owns each projection "
+                f"(nn.Linear, Conv1D), and {type(p.owner).__name__}.{p.name} is not applied that way"
+            )
+    return None
+
+
 def stiefelize(
-    model: nn.Module, init: str = "orthonormal", *, temperature: bool = False, calibrate: Callable | None = None
+    model: nn.Module,
+    init: str = "orthonormal",
+    *,
+    temperature: bool = False,
+    calibrate: Callable | None = None,
+    qk_input_norm: bool = False,
 ) -> nn.Module:
     """Re-parameterise W_Q and W_K of every supported attention module as frames, in place; returns model.
 
@@ -604,6 +638,14 @@ def stiefelize(
     thousandth of its bilinear-form scale: nearly uniform attention, still trainable). Logits are compared
     before any rotary embedding, which a scalar cannot follow anyway. Each projection's weight must be applied
     to its module's first argument (nn.Linear, transformers' Conv1D; not nn.MultiheadAttention's packed weight).
+
+    qk_input_norm=True makes the query and key projections read their input through an RMS normalisation with no
+    gain (a forward pre-hook on each; the values, and everything else, read the input as before), so that every
+    logit q . k / sqrt(r) of a bias-free head is bounded by d_model / sqrt(r) times the temperature, whatever the
+    input: the bound of `StiefelAttention(qk_input_norm=True)`. Rotary embeddings rotate q and k and keep the bound;
+    biases and a model's own q/k norms with gains add what they add. Only layouts where queries and keys have their
+    own projection (q_proj/k_proj and kin) take it: a fused q | k | v weight is refused, since its values read the
+    same input. `unstiefelize` removes the hooks with the parametrizations.
 
     Frames are kept in float32 (or the model's float64); a half-precision model keeps float32 frames as
     master weights.
@@ -639,6 +681,8 @@ def stiefelize(
                     f"{name}: heads of {p.head_dim} dimensions read a {p.d_model}-dimensional input; a frame on "
                     f"St(d, r) needs r <= d, so W_Q, W_K cannot be frames; nothing was converted"
                 )
+        if qk_input_norm and (why := _input_norm_refusal(name, projections)) is not None:
+            raise StiefelizeError(f"{why}; nothing was converted")
         if init == "svd" or temperature:
             counts = {kind: [n for p in projections for k, n in p.pieces if k == kind] for kind in ("q", "k")}
             if len(counts["q"]) != 1 or len(counts["k"]) != 1:
@@ -665,6 +709,9 @@ def stiefelize(
             converted.append((p, param, before))
         if init == "svd" or temperature:
             _fit_heads(converted, init == "svd", temperature, inputs)
+        if qk_input_norm:
+            for p, _, _ in converted:
+                p.owner.register_forward_pre_hook(NormalisedInput())
         for p, param, before in converted:
             owner = next(n for n, m in module.named_modules() if m is p.owner)
             report[".".join(x for x in (name, owner, p.name) if x)] = {
@@ -819,7 +866,8 @@ def unstiefelize(model: nn.Module) -> nn.Module:
 
     The model then saves and loads like the original architecture (e.g. `save_pretrained`); a later
     `stiefelize(model, init="nearest")` restores the frames exactly, since the heads are orthonormal.
-    Safe on a `copy.deepcopy` of a converted model: the original keeps its parametrizations.
+    Safe on a `copy.deepcopy` of a converted model: the original keeps its parametrizations. The input norm of
+    `stiefelize(qk_input_norm=True)` is removed too.
     """
     for module in list(model.modules()):
         if not parametrize.is_parametrized(module):
@@ -831,4 +879,8 @@ def unstiefelize(model: nn.Module) -> nn.Module:
         for name, plist in list(module.parametrizations.items()):
             if any(isinstance(p, StiefelProjection) for p in plist):
                 parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    for module in model.modules():  # stiefelize(qk_input_norm=True)'s hooks
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, NormalisedInput):
+                del module._forward_pre_hooks[key]
     return model
