@@ -615,7 +615,7 @@ def test_bad_init_and_converting_twice():
     with pytest.raises(ValueError, match="init must be one of"):
         stiefelize(CausalSelfAttention(), init="random")
     model = stiefelize(CausalSelfAttention())
-    with pytest.raises(StiefelizeError, match="already parametrized"):
+    with pytest.raises(StiefelizeError, match="already stiefelized"):
         stiefelize(model)
 
 

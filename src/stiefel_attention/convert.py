@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,12 +37,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from . import _guard
 from .manifold import polar_retract, random_frame
-from .nn import FrameParametrization, _rms_norm
+from .nn import FrameParametrization, _rms_norm, frames
 
 __all__ = [
+    "FUNCTION_CHANGE_TOLERANCE",
     "NormalisedInput",
     "Projection",
+    "plain_state_dict",
     "Adapter",
     "register_adapter",
     "adapters",
@@ -659,6 +663,13 @@ def stiefelize(
             "temperature=True starts each head's scale from its current W_Q, W_K: use init='nearest' or 'svd' "
             "(fresh orthonormal frames have no scale to keep)"
         )
+    converted_before = _converted_weights(model)
+    if converted_before:
+        raise StiefelizeError(
+            f"{type(model).__name__} is already stiefelized ({_count(len(converted_before), 'weight')} with "
+            f"frames, e.g. {converted_before[0]}); nothing was converted. To convert it again (another init, "
+            "temperature or qk_input_norm), call unstiefelize(model) first."
+        )
     found = _find(model)
     if not found:
         supported = "; ".join(a.name for a in _ADAPTERS)
@@ -707,6 +718,14 @@ def stiefelize(
             param = StiefelProjection(p, p.d_model, init, dtype=weight.dtype, temperature=temperature)
             parametrize.register_parametrization(p.owner, p.name, param, unsafe=True)
             converted.append((p, param, before))
+            originals = {id(t) for t in p.owner.parametrizations[p.name].parameters()}
+            if id(weight) not in originals:  # an optimizer built before now holds a tensor the model no longer uses
+                owner = next(n for n, m in model.named_modules() if m is p.owner)
+                _guard.mark_replaced(
+                    [(".".join(x for x in (owner, p.name) if x), weight)],
+                    "stiefelize(model)",
+                    "Build the optimizer after stiefelize: StiefelAdam(param_groups(model), ...).",
+                )
         if init == "svd" or temperature:
             _fit_heads(converted, init == "svd", temperature, inputs)
         if qk_input_norm:
@@ -719,16 +738,69 @@ def stiefelize(
                 "relative_change": param.qk_change(before, getattr(p.owner, p.name).detach()),
             }
     model.stiefelize_report = report
+    frames(model)  # marks the new frames, under their names in the model (_guard)
+    _save_plain_layout(model)
     if init != "orthonormal":
         worst = max(report.items(), key=lambda kv: kv[1]["relative_change"])
-        log.warning(
-            f"stiefelize(init={init!r}) changed W_Q, W_K of %d weights by up to %.3g (relative, %s): the "
-            "function changes unless the heads were orthonormal",
+        changed = worst[1]["relative_change"] > FUNCTION_CHANGE_TOLERANCE
+        log.log(
+            logging.WARNING if changed else logging.INFO,
+            f"stiefelize(init={init!r}) changed W_Q, W_K of %d weights by up to %.3g (relative, %s): "
+            + ("the function changes" if changed else "the same function, to float round-off"),
             len(report),
             worst[1]["relative_change"],
             worst[0],
         )
     return model
+
+
+# The relative change of W_Q, W_K below which init="nearest" or "svd" is said to keep the function: heads that
+# were orthonormal in float32 move by a few 1e-7 (their round-off), and a change of 1e-5 moves logits by as much.
+FUNCTION_CHANGE_TOLERANCE = 1e-5
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _converted_weights(model: nn.Module) -> list[str]:
+    """Qualified names of the weights of model that stiefelize parametrized."""
+    return [
+        f"{name}.{tensor}" if name else tensor
+        for name, module in model.named_modules()
+        if parametrize.is_parametrized(module)
+        for tensor, plist in module.parametrizations.items()
+        if any(isinstance(q, StiefelProjection) for q in plist)
+    ]
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """model.state_dict() with every stiefelized weight in the plain layout of the original architecture: the key
+    `<module>.<weight>` holding the weight the frames (and temperatures) assemble, in place of its
+    `<module>.parametrizations.<weight>.original<i>` keys. What `save_pretrained` of a stiefelized model writes, so
+    that the plain model loads it (`from_pretrained`) and `stiefelize(init="nearest")` restores the frames."""
+    state = model.state_dict()
+    for name in _converted_weights(model):
+        module_name, _, tensor = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        prefix = f"{module_name}.parametrizations.{tensor}." if module_name else f"parametrizations.{tensor}."
+        for key in [k for k in state if k.startswith(prefix)]:
+            del state[key]
+        state[name] = getattr(module, tensor).detach()
+    return state
+
+
+def _save_plain_layout(model: nn.Module) -> None:
+    """Give a model with `save_pretrained` (Hugging Face) one that writes the plain layout (`plain_state_dict`),
+    unless its caller passes a state_dict of its own; `unstiefelize` takes it away."""
+    save = getattr(type(model), "save_pretrained", None)
+    if save is None or "save_pretrained" in vars(model):
+        return
+
+    def save_pretrained(self, *args, state_dict=None, **kwargs):
+        return save(self, *args, state_dict=plain_state_dict(self) if state_dict is None else state_dict, **kwargs)
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
 
 
 def _original(p: Projection, index: int) -> nn.Parameter:
@@ -869,7 +941,7 @@ def unstiefelize(model: nn.Module) -> nn.Module:
     Safe on a `copy.deepcopy` of a converted model: the original keeps its parametrizations. The input norm of
     `stiefelize(qk_input_norm=True)` is removed too.
     """
-    for module in list(model.modules()):
+    for module_name, module in list(model.named_modules()):
         if not parametrize.is_parametrized(module):
             continue
         # A deep copy shares torch's per-instance parametrized class with its original, and removing a
@@ -878,7 +950,17 @@ def unstiefelize(model: nn.Module) -> nn.Module:
         module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
         for name, plist in list(module.parametrizations.items()):
             if any(isinstance(p, StiefelProjection) for p in plist):
+                originals = [(f"{module_name}.parametrizations.{name}.{n}".lstrip("."), t)
+                             for n, t in plist.named_parameters()]  # fmt: skip
                 parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+                kept = {id(t) for t in module.parameters()}  # torch may keep a single original as the weight
+                _guard.forget([t for _, t in originals if id(t) in kept])
+                _guard.mark_replaced(
+                    [(n, t) for n, t in originals if id(t) not in kept],
+                    "unstiefelize(model)",
+                    "Its frames are plain weights again: build a new optimizer for the model as it is now.",
+                )
+    vars(model).pop("save_pretrained", None)
     for module in model.modules():  # stiefelize(qk_input_norm=True)'s hooks
         for key, hook in list(module._forward_pre_hooks.items()):
             if isinstance(hook, NormalisedInput):

@@ -187,6 +187,9 @@ def polar_retract(W: Tensor, xi: Tensor) -> Tensor:
     d x d one. The Gram matrix is formed from Y itself rather than as I + xi^T xi, so the result
     is exact for a non-tangent xi (the no-projector ablation) and also corrects whatever
     round-off W had accumulated: the output is orthonormal to working precision.
+
+    A Y whose columns are (numerically) dependent has no polar factor: ValueError, rather than a result that is
+    not a frame. A tangent xi never gives one (Y^T Y = I + xi^T xi); the optimizers call `_polar_factor`.
     """
     check_frames(W)
     if xi.shape[-2:] != W.shape[-2:]:
@@ -194,7 +197,23 @@ def polar_retract(W: Tensor, xi: Tensor) -> Tensor:
     out_dtype = torch.promote_types(W.dtype, xi.dtype)
     cd = _compute_dtype(out_dtype)
     Y = W.to(cd) + xi.to(cd)  # (..., d, r)
-    return (Y @ inv_sqrt_spd(Y.mT @ Y)).to(out_dtype)
+    gram = Y.mT @ Y  # (..., r, r)
+    evals = torch.linalg.eigvalsh(gram)  # ascending
+    floor = 100 * Y.shape[-1] * torch.finfo(cd).eps * evals[..., -1]  # sigma_min^2 / sigma_max^2 below ~ r eps
+    bad = ~torch.isfinite(evals).all(dim=-1) | (evals[..., 0] <= floor)
+    if bool(bad.any()):
+        ratio = float((evals[..., 0].clamp_min(0) / evals[..., -1]).sqrt().nan_to_num(0.0).min())
+        raise ValueError(
+            f"W + xi is rank-deficient or not finite in {int(bad.sum())} of {bad.numel()} frames (smallest "
+            f"singular value / largest = {ratio:.3g}): its columns are not independent, so it has no polar factor "
+            "and no nearest frame. A zero or repeated column is the usual cause."
+        )
+    return _polar_factor(Y).to(out_dtype)
+
+
+def _polar_factor(Y: Tensor) -> Tensor:
+    """Y (Y^T Y)^(-1/2), unchecked: for Y whose columns are known to be independent (W + a tangent step)."""
+    return Y @ inv_sqrt_spd(Y.mT @ Y)
 
 
 def random_frame(

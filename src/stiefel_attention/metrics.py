@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .nn import StiefelAttention
+from .nn import StiefelAttention, frames
 
 __all__ = ["METRICS", "attention_metrics", "bilinear_spectrum"]
 
@@ -69,6 +69,17 @@ def attention_metrics(
     undefined value (entropy fraction where no selected query sees two keys) is None.
     """
     layers = [m for m in model.modules() if isinstance(m, StiefelAttention)]
+    if not layers:
+        converted = [name for name, _ in frames(model)]
+        if converted:
+            raise ValueError(
+                f"attention_metrics measures StiefelAttention layers, and {type(model).__name__} has none: its "
+                f"attention was converted by stiefelize ({len(converted)} frame tensors, e.g. {converted[0]}), and "
+                "its logits are computed by the model's own code (rotary embeddings, biases, kernels), which this "
+                "function cannot recompute. Measure W_Q W_K^T from the frames (bilinear_spectrum), or the logits "
+                "through the model's own attention outputs (output_attentions=True)."
+            )
+        raise ValueError(f"attention_metrics found no StiefelAttention layer in {type(model).__name__}")
     inputs: dict[int, Tensor] = {}
     hooks = [
         m.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0])) for i, m in enumerate(layers)

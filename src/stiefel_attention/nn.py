@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
+from ._guard import mark_frames
 from .manifold import random_frame
 
 __all__ = [
@@ -114,6 +115,9 @@ class StiefelAttention(nn.Module):
         max_temperature: float | None = None,
     ):
         super().__init__()
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if max_temperature is not None:
             if not temperature:
                 raise ValueError("max_temperature caps the learnable temperature: pass temperature=True with it")
@@ -154,6 +158,8 @@ class StiefelAttention(nn.Module):
         trainable = qk != "frozen"
         self.w_q = nn.Parameter(init[0].clone(), requires_grad=trainable)  # (H, D, r)
         self.w_k = nn.Parameter(init[1].clone(), requires_grad=trainable)  # (H, D, r)
+        if qk == "stiefel":  # only a Stiefel rule may step them (_guard)
+            mark_frames([(None, self.w_q), (None, self.w_k)])
         self.w_v = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         if qk_norm:
@@ -454,7 +460,9 @@ def frames(model: nn.Module, include_frozen: bool = False) -> list[tuple[str, nn
     for name, module in _attention_modules(model):
         if module.qk in modes:
             out += [(f"{name}.{pname}" if name else pname, p) for pname, p in module.frame_parameters()]
-    return out + _parametrized_frames(model)
+    out += _parametrized_frames(model)
+    mark_frames([(n, p) for n, p in out if p.requires_grad])  # what is found is marked, under its qualified name
+    return out
 
 
 def qk_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -69,10 +69,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
+from . import _guard
 from ._dtensor import GATHER, all_reduce_over_mesh, frame_layout, is_dtensor, like_frames_batch
-from .manifold import check_frames, inv_sqrt_gram, isometry_error, polar_retract, project_tangent, sym
+from .manifold import _compute_dtype, _polar_factor, check_frames, inv_sqrt_gram, isometry_error, project_tangent, sym
 
 __all__ = [
+    "FrameStepError",
     "NonFiniteGradientError",
     "StiefelAdam",
     "StiefelSGD",
@@ -82,6 +84,8 @@ __all__ = [
 ]
 
 NONFINITE_MODES = ("raise", "skip")
+FrameStepError = _guard.FrameStepError
+_FRAME_DTYPES = (torch.float32, torch.float64)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -115,6 +119,27 @@ def _check_start(p: Tensor, where: str) -> None:
     _check_values(p, where)
 
 
+def _retract(W: Tensor, xi: Tensor) -> Tensor:
+    """The polar retraction of the reference path, without polar_retract's rank check (a host read per call):
+    W + xi for a step of a frame has independent columns."""
+    cd = _compute_dtype(torch.promote_types(W.dtype, xi.dtype))
+    return _polar_factor(W.to(cd) + xi.to(cd))
+
+
+def _version(p: Tensor) -> int:
+    """The version counter of p's values (a DTensor's local part), bumped by every in-place write."""
+    return (p.to_local() if is_dtensor(p) else p)._version
+
+
+def _dtype_message(where: str, dtype: torch.dtype) -> str:
+    return (
+        f"{where} has dtype {dtype}; Stiefel optimizers keep frames in float32 or float64 "
+        "(one scalar second moment per frame overflows half precision). Keep W_Q, W_K in float32 "
+        "as master weights (cast the model back, or cast only the other parameters); autocast still runs the "
+        "attention matmuls in half precision."
+    )
+
+
 def _check_values(p: Tensor, where: str, mesh=None) -> None:
     try:
         check_frames(p, name=where)
@@ -123,12 +148,8 @@ def _check_values(p: Tensor, where: str, mesh=None) -> None:
             f"{err}. Frame groups take tensors of shape (..., d, r); put other parameters in a "
             "group with stiefel=False (param_groups(model) does this)."
         ) from None
-    if p.dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"{where} has dtype {p.dtype}; Stiefel optimizers keep frames in float32 or float64 "
-            "(one scalar second moment per frame overflows half precision). Keep W_Q, W_K in float32 "
-            "as master weights; autocast still runs the attention matmuls in half precision."
-        )
+    if p.dtype not in _FRAME_DTYPES:
+        raise ValueError(_dtype_message(where, p.dtype))
     if p.is_meta or (p.numel() == 0 and mesh is None):
         # No values to check: a model built on the meta device (frames drawn later, by reset_parameters
         # after to_empty) or an empty shard of a sharded parameter. The first step retracts whatever is
@@ -172,6 +193,7 @@ def param_groups(
     """
     from .nn import frames  # nn builds on optim's siblings; only this helper needs models
 
+    _guard.remember_names(model)  # so that errors name parameters as the model does
     frame_list = [p for _, p in frames(model)]
     frame_ids = {id(p) for p in frame_list}
     exempt = {id(p) for p in no_decay}
@@ -320,7 +342,7 @@ def _single_tensor_stiefel_adam(
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (v / bc2).sqrt().add_(eps).clamp_min_(torch.finfo(v.dtype).tiny)  # (..., d, r)
         xi = _cap(-lr * (m / bc1) / denom, max_step)
-        W.copy_(polar_retract(W, xi))
+        W.copy_(_retract(W, xi))
         if old is not None:
             for new, before in zip((W, m, v), old):
                 _keep_where(k, new, before)
@@ -518,7 +540,7 @@ def stiefel_sgd(
             if momentum != 0.0:
                 buf.mul_(momentum).add_(g).copy_(project_tangent(W, buf))
                 g = buf
-            W.copy_(polar_retract(W, _cap(-lr * g, max_step)))
+            W.copy_(_retract(W, _cap(-lr * g, max_step)))
             if old is not None:
                 _keep_where(k, W, old[0])
                 if buf is not None:
@@ -554,22 +576,27 @@ def stiefel_sgd(
 _ADAMW_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, foreach=None, fused=None, capturable=False)
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) or (isinstance(x, Tensor) and x.numel() == 1)
+
+
 def _check_common(lr: float, weight_decay: float, max_step: float | None, nonfinite: str) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"invalid learning rate: {lr}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"invalid weight_decay: {weight_decay}")
-    if max_step is not None and not max_step > 0.0:
-        raise ValueError(f"invalid max_step: {max_step}; use None for no trust region")
+    if not (_is_number(lr) and 0.0 <= lr < math.inf):
+        raise ValueError(f"invalid learning rate: {lr!r}; a finite number >= 0")
+    if not (_is_number(weight_decay) and 0.0 <= weight_decay < math.inf):
+        raise ValueError(f"invalid weight_decay: {weight_decay!r}; a finite number >= 0")
+    if max_step is not None and not (_is_number(max_step) and 0.0 < max_step < math.inf):
+        raise ValueError(f"invalid max_step: {max_step!r}; a finite number > 0, or None for no trust region")
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
 
 
 def _check_betas_eps(betas, eps) -> None:
-    if not eps >= 0.0:
-        raise ValueError(f"invalid eps: {eps}")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"invalid betas: {betas}; both must lie in [0, 1)")
+    if not (_is_number(eps) and 0.0 <= eps < math.inf):
+        raise ValueError(f"invalid eps: {eps!r}; a finite number >= 0")
+    pair = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)
+    if not (pair and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"invalid betas: {betas!r}; a pair (beta1, beta2), both in [0, 1)")
 
 
 class _RiemannianOptimizer(Optimizer):
@@ -585,20 +612,59 @@ class _RiemannianOptimizer(Optimizer):
         self.nonfinite = nonfinite
         defaults = {**_ADAMW_DEFAULTS, "stiefel": True, **defaults}
         self._group_keys = frozenset(defaults)  # what every group of ours holds (torch may add defaults later)
+        # What the frames were after our last step (tensor version counters), so that a frame written since (the
+        # model's load_state_dict, an in-place edit) is checked again before it is stepped; and after this
+        # optimizer's own load_state_dict, every frame is.
+        self._versions: dict[Tensor, int] = {}
+        self._recheck = False
         super().__init__(params, defaults)
         # Scratch buffers, one per parameter: derived data, so never saved in state_dict.
         self._workspaces: dict[Tensor, Tensor] = {}
+
+    def keeps_frames_on_manifold(self, group: dict[str, Any]) -> bool:
+        """The groups whose rule keeps frames on St(d, r) (`_guard`): those with stiefel=True."""
+        return bool(group["stiefel"])
+
+    def _name(self, gi: int, i: int, p: Tensor) -> str:
+        """How messages name parameter i of group gi: by its name in the model where known."""
+        names = self.param_groups[gi].get("param_names")
+        where = f"param_groups[{gi}]['params'][{i}]"
+        if names:
+            return f"{names[i]} ({where})"
+        return where if torch.compiler.is_compiling() else _guard.name_of(p, where)  # no lookup in a traced step
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         gi = len(self.param_groups)
         # every group's values are checked as the constructor's are, before the group is added
         self._check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}, gi)
         super().add_param_group(param_group)
+        _guard.check_optimizer(self)  # a frame in a stiefel=False group, a parameter a conversion replaced
         group = self.param_groups[-1]
         if not group["stiefel"]:
             return
         for i, p in enumerate(group["params"]):
-            _check_start(p.detach(), f"param_groups[{gi}]['params'][{i}]")
+            _check_start(p.detach(), self._name(gi, i, p))
+            self._versions[p] = _version(p)
+
+    def _check_frames_now(self) -> None:
+        """Before a step: refuse a frame cast to half precision since the optimizer was built, and check again the
+        start point of every frame written to since our last step (or of every frame after load_state_dict)."""
+        for gi, group in enumerate(self.param_groups):
+            if not group["stiefel"]:
+                continue
+            for i, p in enumerate(group["params"]):
+                if p.dtype not in _FRAME_DTYPES:
+                    raise ValueError(_dtype_message(self._name(gi, i, p), p.dtype) + " The step was refused.")
+                # a DTensor's start check is collective: only after load_state_dict, which every rank calls
+                if self._recheck or (not is_dtensor(p) and self._versions.get(p) != _version(p)):
+                    _check_start(p.detach(), self._name(gi, i, p))
+        self._recheck = False
+
+    def _remember_versions(self) -> None:
+        for group in self.param_groups:
+            if group["stiefel"]:
+                for p in group["params"]:
+                    self._versions[p] = _version(p)
 
     def _check_group(self, group: dict[str, Any], gi: int) -> None:
         """Raise ValueError, naming the group, for a hyper-parameter outside its range."""
@@ -638,7 +704,36 @@ class _RiemannianOptimizer(Optimizer):
                     f"{type(self).__name__}.load_state_dict: param group {gi} holds {kind[mine['stiefel']]} here "
                     f"but {kind[saved['stiefel']]} in the state dict: the groups are not the same"
                 )
+            self._check_saved_state(gi, saved, mine, state_dict["state"])
         super().load_state_dict(state_dict)
+        self._recheck = True  # the frames, too, may have been loaded from elsewhere: check them at the next step
+
+    def _check_saved_state(self, gi: int, saved: dict, mine: dict, state: dict) -> None:
+        """Refuse state saved for parameters of other shapes or placements (other heads, head_dim, d_model, another
+        sharding), naming the parameter, before anything is loaded."""
+        for i, (index, p) in enumerate(zip(saved["params"], mine["params"])):
+            for key, t in (state.get(index) or {}).items():
+                if key == "step" or not isinstance(t, Tensor):
+                    continue
+                per_frame = key == "exp_avg_sq" and mine["stiefel"] and mine.get("second_moment") == "frame"
+                want = tuple(p.shape[:-2]) if per_frame else tuple(p.shape)
+                problem = None
+                if tuple(t.shape) != want:
+                    problem = f"has shape {tuple(t.shape)} where this parameter needs {want}"
+                elif is_dtensor(t) != is_dtensor(p):
+                    problem = "is sharded" if is_dtensor(t) else "is a plain tensor, and the parameter is sharded"
+                elif is_dtensor(p) and (t.placements != p.placements or t.device_mesh.shape != p.device_mesh.shape):
+                    problem = (
+                        f"is placed {t.placements} on a mesh of shape {tuple(t.device_mesh.shape)}, the parameter "
+                        f"{p.placements} on {tuple(p.device_mesh.shape)}"
+                    )
+                if problem is not None:
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: the saved {key!r} of {self._name(gi, i, p)} "
+                        f"{problem}: the state dict was saved for another model (other heads, head_dim or d_model) "
+                        "or another sharding (load sharded state with torch.distributed.checkpoint, which reshards "
+                        "it). Nothing was loaded."
+                    )
 
     def _workspace(self, p: Tensor, like: Tensor) -> Tensor:
         """p's scratch buffer, shaped like the tensor its step works on (p itself, or a DTensor's frames)."""
@@ -672,7 +767,7 @@ class _RiemannianOptimizer(Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                name = f"param_groups[{gi}]['params'][{i}]"
+                name = self._name(gi, i, p)
                 items = (p, self._grad_of(p), *self._frame_state(group, p, self.state[p]))
                 if is_dtensor(p):
                     if all(p.device_mesh is not m for m in meshes):
@@ -732,7 +827,7 @@ class _RiemannianOptimizer(Optimizer):
                         state["exp_avg"],
                         state["exp_avg_sq"],
                         state["step"],
-                        f"param_groups[{gi}]['params'][{i}]",
+                        self._name(gi, i, p),
                     ),
                 ):
                     lst.append(item)
@@ -746,6 +841,8 @@ class _RiemannianOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not torch.compiler.is_compiling():
+            self._check_frames_now()
         frame_batches, write_backs, meshes = self._frame_batches()
         adamw_groups = self._adamw_groups()
         for group, params, *_ in adamw_groups:
@@ -779,6 +876,8 @@ class _RiemannianOptimizer(Optimizer):
             self._write_back(write_backs)
         for group, params, grads, exp_avgs, exp_avg_sqs, steps, _ in adamw_groups:
             self._adamw_step(group, params, grads, exp_avgs, exp_avg_sqs, steps, meshes)
+        if not torch.compiler.is_compiling():
+            self._remember_versions()
         return loss
 
     def _adamw_step(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, meshes=()) -> None:
@@ -969,6 +1068,7 @@ class StiefelSGD(_RiemannianOptimizer):
         fused: bool | None = None,
     ):
         _check_common(lr, weight_decay, max_step, nonfinite)
+        _check_betas_eps(betas, eps)  # the AdamW groups'
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"invalid momentum: {momentum}")
         defaults = dict(
