@@ -373,3 +373,47 @@ def test_stability_summary_computes_wortsmans_sensitivity_the_precondition_and_a
     one = stability_summary([r for r in recs if r["config"]["seed"] == 0])
     assert one["verdict"].startswith("not yet testable")  # one seed: a sensitivity without a spread
     assert "4.000 (3 diverged)" in md and "Precondition (met)" in md
+
+
+def test_the_bounded_arms_are_compared_with_qk_norm_the_plain_frames_and_the_norm_alone():
+    from stiefel_attention.bench.seq_report import logit_bound, stability_markdown, stability_summary
+
+    model = {"d_model": 64, "head_dim": 16}
+    losses = {  # m = 1, 16, 64; the bounded frames level with qk-norm, far ahead of the plain frames at m = 64
+        "adamw": (1.70, 2.8, 3.3),
+        "qk-norm": (1.70, 1.80, 2.05),
+        "stiefel-adam": (1.70, 1.82, 2.65),
+        "stiefel-adam-bounded": (1.70, 1.80, 2.06),
+        "adamw-bounded": (1.70, 2.3, 3.0),
+    }
+    recs = []
+    for s in range(3):
+        e = (0.01, -0.02, 0.015)[s]
+        for arm, row in losses.items():
+            for m, loss in zip((1, 16, 64), row):
+                rec = _stability_record(arm, s, m, loss + e * (1 + (m == 64) * (arm == "qk-norm")), 10.0 * m)
+                rec["config"]["model"] = model
+                recs.append(rec)
+    summary = stability_summary(recs)
+    bounded = summary["bounded"]
+    assert bounded["top_multipliers"] == ["16", "64"]
+    assert bounded["bounds"] == {"stiefel-adam-bounded": pytest.approx(16.0)}
+    assert bounded["largest"]["stiefel-adam-bounded"] == 640.0  # the fake records' logits are not bounded
+    pairs = {(p["arm"], p["baseline"]): p for p in bounded["pairs"]}
+    assert set(pairs) == {
+        ("stiefel-adam-bounded", "qk-norm"),
+        ("stiefel-adam-bounded", "stiefel-adam"),
+        ("stiefel-adam-bounded", "adamw-bounded"),
+    }  # the capped-temperature arm did not run
+    vs_plain = pairs[("stiefel-adam-bounded", "stiefel-adam")]
+    assert vs_plain["loss"]["64"]["mean_diff"] == pytest.approx(2.06 - 2.65)
+    v = bounded["verdict"]
+    assert v["qk-norm"].startswith("yes: the bounded frames are as stable as qk-norm")
+    assert v["frames"].startswith("yes: bounding the whole logit makes the frames significantly less sensitive")
+    assert v["needs frames"].startswith("yes: the same norm on ordinary W_Q, W_K is significantly more sensitive")
+    md = "\n".join(stability_markdown(summary))
+    assert "| stiefel-adam-bounded | 16.000 | 640.000 | 40.000 |" in md and "Does it need the frames? **yes" in md
+    # without the bounded arms the summary is what it was
+    assert "bounded" not in stability_summary([r for r in recs if "bounded" not in r["config"]["arm"]])
+    assert logit_bound({"arm": "stiefel-adam-bounded-temp", "model": model}) == pytest.approx(64.0)
+    assert logit_bound({"arm": "adamw-bounded", "model": model}) is None

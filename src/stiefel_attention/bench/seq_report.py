@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from .arms import arm_spec
+from .arms import BOUNDED_ARMS, arm_spec
 from .family import Plan
 from .fmt import fmt_ci, fmt_num, fmt_runs, fmt_seeds
 from .geometry import (
@@ -186,7 +186,7 @@ def stability_summary(records: list[dict]) -> dict:
             sens[label][seed] = sum(losses) / len(losses) - min(losses)
     sensitivity = {label: describe(list(v.values())) for label, v in sens.items()}
     sens_vs = [st for label in labels if label != "adamw" and (st := compare(sens, label, "adamw"))]
-    return {
+    out = {
         "cap": cap,
         "multipliers": [f"{m:g}" for m in multipliers],
         "labels": labels,
@@ -196,6 +196,94 @@ def stability_summary(records: list[dict]) -> dict:
         "sensitivity_vs_adamw": sens_vs,
         "precondition": _stability_precondition(points, table, multipliers),
         "verdict": _stability_verdict(sens_vs, sensitivity),
+    }
+    if any(arm in labels for arm in BOUNDED_ARMS):  # summaries without the bounded arms stay as they were
+        out["bounded"] = _bounded_summary(records, table, sens, points, multipliers)
+    return out
+
+
+# The questions of the bounded-logit arms, each a paired comparison (arm - baseline) of the learning-rate
+# sensitivity and of the capped loss at the two largest multipliers: does the bound buy QK-norm's stability, what
+# does it add to the plain frames, and does it need the frames at all (the same norm on ordinary W_Q, W_K)?
+BOUNDED_PAIRS = (
+    ("stiefel-adam-bounded", "qk-norm"),
+    ("stiefel-adam-bounded", "stiefel-adam"),
+    ("stiefel-adam-bounded", "adamw-bounded"),
+    ("stiefel-adam-bounded-temp", "qk-norm"),
+    ("stiefel-adam-bounded-temp", "stiefel-adam-bounded"),
+)
+
+
+def logit_bound(config: dict) -> float | None:
+    """The bound of an arm's logits by construction (StiefelAttention.logit_bound), from its config; None without
+    one."""
+    attention = arm_spec(config["arm"]).attention
+    if not attention.get("qk_input_norm") or attention["qk"] not in ("stiefel", "frozen", "parametrized"):
+        return None
+    model = config["model"]
+    return attention.get("max_temperature", 1.0) * model["d_model"] / model["head_dim"] ** 0.5
+
+
+def _bounded_summary(records, table, sens, points, multipliers) -> dict:
+    top = [m for m in multipliers if m > 1][-2:]  # the two largest multipliers, e.g. 16 and 64
+    pairs = []
+    for arm, base in BOUNDED_PAIRS:
+        row = {"arm": arm, "baseline": base, "sensitivity": compare(sens, arm, base)}
+        row["loss"] = {f"{m:g}": compare(table[m], arm, base) for m in top}
+        if row["sensitivity"] is not None or any(row["loss"].values()):
+            pairs.append(row)
+    bounds = {}
+    for rec in records:
+        bound = logit_bound(rec["config"])
+        if bound is not None:
+            bounds[_stability_label(rec["config"])] = bound
+    largest = {arm: max((p["max_attention_logit"] or 0.0) for p in points[arm].values()) for arm in bounds}
+    return {"top_multipliers": [f"{m:g}" for m in top], "pairs": pairs, "bounds": bounds, "largest": largest,
+            "verdict": _bounded_verdict(pairs)}  # fmt: skip
+
+
+def _standing_of(st: dict | None) -> str | None:
+    """'below', 'above' or 'level' from a paired comparison's 95% CI (None: not testable)."""
+    if st is None or st["n_seeds"] < 2:
+        return None
+    lo, hi = st["ci95"]
+    return "below" if hi < 0 else "above" if lo > 0 else "level"
+
+
+def _bounded_verdict(pairs: list[dict]) -> dict[str, str]:
+    """A sentence per question, from the sensitivity comparisons' 95% CIs."""
+    by = {(p["arm"], p["baseline"]): p for p in pairs}
+
+    def says(arm: str, base: str, below: str, level: str, above: str) -> str:
+        st = by.get((arm, base), {}).get("sensitivity")
+        standing = _standing_of(st)
+        if standing is None:
+            return "not measured yet (needs 2 paired seeds with the whole sweep)"
+        word = {"below": below, "level": level, "above": above}[standing]
+        return f"{word} ({arm} − {base} sensitivity {st['mean_diff']:+.3f} nats/char {fmt_ci(st['ci95'], 3)})"
+
+    return {
+        "qk-norm": says(
+            "stiefel-adam-bounded",
+            "qk-norm",
+            "yes, and more: the bounded frames are significantly less sensitive to the learning rate than qk-norm",
+            "yes: the bounded frames are as stable as qk-norm (no significant difference)",
+            "no: the bounded frames are significantly more sensitive to the learning rate than qk-norm",
+        ),
+        "frames": says(
+            "stiefel-adam-bounded",
+            "stiefel-adam",
+            "yes: bounding the whole logit makes the frames significantly less sensitive",
+            "no: the bound does not change the frames' sensitivity significantly",
+            "no: the bounded frames are significantly more sensitive than the plain ones",
+        ),
+        "needs frames": says(
+            "stiefel-adam-bounded",
+            "adamw-bounded",
+            "yes: the same norm on ordinary W_Q, W_K is significantly more sensitive",
+            "no: the same norm on ordinary W_Q, W_K is as stable",
+            "no: the norm on ordinary W_Q, W_K is even less sensitive than with frames",
+        ),
     }
 
 
@@ -301,6 +389,44 @@ def stability_markdown(summary: dict) -> list[str]:
             f"{st['n_seeds']} |"
         )
     lines += ["", f"Do the frames buy high-learning-rate stability? **{summary['verdict']}**.", ""]
+    if "bounded" in summary:
+        lines += bounded_markdown(summary["bounded"])
+    return lines
+
+
+def bounded_markdown(bounded: dict) -> list[str]:
+    ms = bounded["top_multipliers"]
+    lines = [
+        "Frames whose logit is bounded by construction (`qk_input_norm`: queries and keys read x/rms(x) with no "
+        "gain, so every logit is at most T·d/√r), against qk-norm, the plain frames and the same norm on ordinary "
+        "W_Q, W_K (paired by seed; negative: the first arm is more stable or reaches a lower loss):",
+        "",
+        "| comparison | sensitivity | 95% CI | " + " | ".join(f"loss at m = {m} | 95% CI" for m in ms) + " | seeds |",
+        "|---|---|---|" + "---|---|" * len(ms) + "---|",
+    ]
+    for p in bounded["pairs"]:
+        cells = []
+        for st in (p["sensitivity"], *(p["loss"][m] for m in ms)):
+            cells += [f"{st['mean_diff']:+.3f}", fmt_ci(st["ci95"], 3)] if st else ["—", "—"]
+        seeds = (
+            p["sensitivity"]["n_seeds"]
+            if p["sensitivity"]
+            else max((st["n_seeds"] for st in p["loss"].values() if st), default=0)
+        )
+        lines.append(f"| {p['arm']} − {p['baseline']} | " + " | ".join(cells) + f" | {seeds} |")
+    lines += ["", "Largest attention logit over training against the bound:", ""]
+    lines += ["| run | bound | largest logit | largest / bound |", "|---|---|---|---|"]
+    for arm, bound in sorted(bounded["bounds"].items()):
+        top = bounded["largest"][arm]
+        lines.append(f"| {arm} | {fmt_num(bound, 3)} | {fmt_num(top, 3)} | {top / bound:.3f} |")
+    v = bounded["verdict"]
+    lines += [
+        "",
+        f"Does the bound buy qk-norm's stability? **{v['qk-norm']}**.",
+        f"Does it add to the plain frames? **{v['frames']}**.",
+        f"Does it need the frames? **{v['needs frames']}**.",
+        "",
+    ]
     return lines
 
 
@@ -319,7 +445,10 @@ def stability_plot(summary: dict, out_dir: Path, made: list[str]) -> None:
         ms = sorted(pts, key=float)
         axes[0].plot([float(m) for m in ms], [pts[m]["loss"]["mean"] for m in ms], marker="o", lw=1.2, label=label)
         logit = [(float(m), pts[m]["max_attention_logit"]) for m in ms if pts[m]["max_attention_logit"] is not None]
-        axes[1].plot([x for x, _ in logit], [y for _, y in logit], marker="o", lw=1.2, label=label)
+        (line,) = axes[1].plot([x for x, _ in logit], [y for _, y in logit], marker="o", lw=1.2, label=label)
+        bound = summary.get("bounded", {}).get("bounds", {}).get(label)
+        if bound is not None:  # the bounded arms' bound by construction, in their colour
+            axes[1].axhline(bound, color=line.get_color(), ls="--", lw=0.8, label=f"{label}: bound {bound:g}")
     if summary["cap"] is not None:
         axes[0].axhline(summary["cap"], color="gray", ls=":", lw=0.8, label="uniform prediction (cap)")
     axes[0].set_ylabel("final validation loss, capped (nats/char)")
