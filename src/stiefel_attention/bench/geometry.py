@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .arms import arm_spec
+from .arms import BOUNDED_ARMS, arm_spec
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, provisional, save_figure, undefined
 from .stats import describe, paired_comparison
 
@@ -45,7 +45,16 @@ __all__ = [
 
 SENSITIVITY = ("adamw", "frozen")  # trained against frozen Q/K
 # Arms compared with stiefel-adam in every testbed, in the order the report lists them.
-GEOMETRY_ARMS = ("adamw", "frozen", "adamw-qk-nodecay", "orthogonal-param", "qk-norm", "muon", "stiefel-adam-temp")
+GEOMETRY_ARMS = (
+    "adamw",
+    "frozen",
+    "adamw-qk-nodecay",
+    "orthogonal-param",
+    "qk-norm",
+    "muon",
+    "stiefel-adam-temp",
+    *BOUNDED_ARMS,
+)
 PLOTTED_METRICS = ("entropy_frac", "stable_rank", "max_logit", "spectral_norm")
 PRECONDITION_WORDS = {True: "met", False: "not met", None: "not yet checked"}  # an experiment's precondition
 
