@@ -5,21 +5,32 @@
 
 `transformers.Trainer` takes the optimizer and schedule ready-made (`optimizers=(opt, scheduler)`):
 StiefelAdam(param_groups(model)) steps the frames with the Riemannian rule and everything else with AdamW.
-The Trainer saves the model (its state dict holds the frames as parametrization originals), the optimizer
-and schedule state and the RNG states every --save-steps; `--resume` continues from the latest checkpoint
-exactly as if training had not stopped. Characters are the tokens (id 0 stands in for GPT-2's special
-tokens, which a character vocabulary has none of). Needs `pip install transformers accelerate`.
+Every --save-steps the Trainer saves the model, the optimizer and schedule state and the RNG states; the model by
+its save_pretrained, which for a stiefelized model writes both the frames (parametrization originals, which the
+resume loads exactly) and the plain weights (which GPT2LMHeadModel.from_pretrained loads). This script then writes
+`checksums.json`, the sha256 of each of the checkpoint's files. `--resume` continues from the latest checkpoint
+exactly as if training had not stopped: it checks that checkpoint first and refuses, naming the file and what to
+do, one that cannot continue the run exactly: a file missing (the Trainer itself would start a fresh optimizer
+without a word), changed since it was saved, unreadable, weights without the frames, or an optimizer state that
+does not fit or is not finite. Characters are the tokens (id 0 stands in for GPT-2's special tokens, which a
+character vocabulary has none of). Needs `pip install transformers accelerate`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import math
+import os
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from stiefel_attention import StiefelAdam, frames, isometry_error, param_groups, stiefelize
+from stiefel_attention.bench.partial import why_unreadable
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets" / "tinyshakespeare.txt"
 
@@ -36,6 +47,149 @@ class Windows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+CHECKSUMS = "checksums.json"
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Checksums(TrainerCallback):
+    """After each save, `checksums.json` in the checkpoint: the sha256 of each of its files, written last and
+    atomically (the Trainer calls on_save once the checkpoint's files are all written)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            sums = {f.name: _sha256(f) for f in sorted(folder.iterdir()) if f.is_file() and f.name != CHECKSUMS}
+            tmp = folder / f".{CHECKSUMS}.tmp"
+            tmp.write_text(json.dumps(sums, indent=1) + "\n")
+            os.replace(tmp, folder / CHECKSUMS)
+
+
+def needed_files(training: TrainingArguments) -> dict[str, str]:
+    """The files a checkpoint needs to go on exactly as if training had not stopped, and what each restores."""
+    rng = "rng_state.pth" if training.world_size <= 1 else f"rng_state_{training.process_index}.pth"
+    return {
+        "optimizer.pt": "the optimizer state (StiefelAdam's moments and step counts)",
+        "scheduler.pt": "the learning-rate schedule's position",
+        rng: "the random number generators' states",
+        "trainer_state.json": "the Trainer's step and log",
+    }
+
+
+def frames_problem(weights: Path, model: torch.nn.Module) -> str | None:
+    """Why the weights file would not restore the model's frames (the Trainer loads it with strict=False), or None."""
+    frame_keys = [k for k in model.state_dict() if ".parametrizations." in k]
+    try:
+        if weights.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(weights), "pt") as f:
+                saved = set(f.keys())
+        else:
+            saved = set(torch.load(weights, map_location="cpu", weights_only=True))
+    except Exception as err:
+        return f"{weights} cannot be read: {why_unreadable(weights, err)}"
+    missing = [k for k in frame_keys if k not in saved]
+    if missing:
+        return (
+            f"{weights} does not hold the model's frames ({len(missing)} of {len(frame_keys)} missing, e.g. "
+            f"{missing[0]}; a plain save_pretrained layout?): the resume would leave them at their initial values"
+        )
+    return None
+
+
+def checkpoint_problem(
+    folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, training: TrainingArguments
+) -> str | None:
+    """What stops the checkpoint `folder` from continuing this run exactly, naming the file; None if nothing."""
+    lost = "cannot be restored, so training would not go on as if it had not stopped"
+    for name, what in needed_files(training).items():
+        if not (folder / name).is_file():
+            return f"{folder / name} is missing: {what} {lost}"
+    weights = next((folder / name for name in MODEL_FILES if (folder / name).is_file()), None)
+    if weights is None:
+        return f"{folder} holds no model weights ({' or '.join(MODEL_FILES)})"
+    problem = frames_problem(weights, model)
+    if problem is not None:
+        return problem
+    loaded = {}
+    for name in ("optimizer.pt", "scheduler.pt"):
+        try:
+            loaded[name] = torch.load(folder / name, map_location="cpu", weights_only=True)
+        except Exception as err:
+            return f"{folder / name} cannot be read: {why_unreadable(folder / name, err)}"
+    sums_path = folder / CHECKSUMS
+    if sums_path.is_file():
+        try:
+            sums = json.loads(sums_path.read_text())
+        except (OSError, ValueError) as err:
+            return f"{sums_path} cannot be read ({err})"
+        for name, saved in sums.items():
+            if not (folder / name).is_file():
+                return f"{folder / name} is missing (its checksum is in {CHECKSUMS})"
+            found = _sha256(folder / name)
+            if found != saved:
+                return f"{folder / name} has changed since it was saved (sha256 {found[:12]}, saved {saved[:12]})"
+    else:
+        print(f"note: {folder} has no {CHECKSUMS} (saved by an older version of this script, or cut off before its "
+              "save finished): its files are checked for completeness and readability only", flush=True)  # fmt: skip
+    return optimizer_problem(folder / "optimizer.pt", loaded["optimizer.pt"], opt)
+
+
+def optimizer_problem(path: Path, saved, opt: torch.optim.Optimizer) -> str | None:
+    """Why a loaded optimizer state cannot continue `opt` (layout, or a value that is not finite), or None."""
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+        return f"{path} is not an optimizer state (no 'state' and 'param_groups')"
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    mine = [len(g["params"]) for g in opt.param_groups]
+    if sizes != mine:
+        return f"{path} holds parameter groups of {sizes} parameters; this model's optimizer has {mine}"
+    for index, state in saved["state"].items():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                finite = bool(torch.isfinite(value).all())
+            else:
+                finite = not isinstance(value, float) or math.isfinite(value)
+            if not finite:
+                return f"{path} holds non-finite values (the {name} of parameter {index}): it is damaged"
+    return None
+
+
+def checkpoints_in(out: Path) -> dict[int, Path]:
+    """The Trainer's checkpoint folders in `out`, by step."""
+    found = {}
+    for path in out.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        step = path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if path.is_dir() and step.isdigit():
+            found[int(step)] = path
+    return found
+
+
+def resume_point(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, training: TrainingArguments) -> str:
+    """The latest checkpoint in `out`, checked; SystemExit naming the file and the way out if it cannot continue
+    the run exactly."""
+    found = checkpoints_in(out)
+    if not found:
+        raise SystemExit(f"--resume: no {PREFIX_CHECKPOINT_DIR}-* folder in {out}")
+    last = found.pop(max(found))
+    problem = checkpoint_problem(last, model, opt, training)
+    if problem is not None:
+        way = (
+            f"move {last} aside to resume from {found[max(found)]}, the checkpoint before it"
+            if found
+            else "start afresh without --resume (or in another --out)"
+        )
+        raise SystemExit(f"--resume: {problem}; {way}")
+    return str(last)
 
 
 def parse(argv):
@@ -84,8 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=Windows(ids[:n], args.windows, args.context, seed=1),
         eval_dataset=Windows(ids[n:], 64, args.context, seed=2),
         optimizers=(opt, sched),
+        callbacks=[Checksums()],
     )
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    resume = resume_point(Path(args.out), model, opt, training) if args.resume else None
+    trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     iso = max(float(isometry_error(p)) for _, p in frames(model))
     val = trainer.evaluate()["eval_loss"]

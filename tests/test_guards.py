@@ -303,6 +303,20 @@ def test_save_pretrained_writes_the_plain_layout_that_a_plain_model_loads(make, 
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     assert not any("parametrizations" in k for k in plain_state_dict(model))
     assert any("parametrizations" in k for k in model.state_dict())  # state_dict keeps the frames (exact resume)
+    # the file holds both layouts: a stiefelized model (the Trainer's resume, strict=False) gets the frames exactly
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    again = stiefelize(make(2), init="orthonormal")
+    result = again.load_state_dict(saved, strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys  # GPT-2's is tied
+    for (name, a), (_, b) in zip(frames(again), frames(model)):
+        assert torch.equal(a, b), name
+    # a plain checkpoint loaded into a stiefelized model: its nearest frames
+    into = stiefelize(make(3), init="orthonormal")
+    into.load_state_dict(plain.state_dict())
+    for (name, a), (_, b) in zip(frames(into), frames(model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     unstiefelize(model)
     assert "save_pretrained" not in vars(model)
 

@@ -215,6 +215,14 @@ class StiefelProjection(FrameParametrization):
         norm = sum(float(b.double().square().sum()) for b, _ in pairs)
         return (diff / norm) ** 0.5 if norm > 0 else float("inf")
 
+    def nearest_originals(self, weight: Tensor) -> tuple[Tensor, ...]:
+        """The originals of a plain weight with every head's frames its nearest ones (init="nearest")."""
+        init, self.init = self.init, "nearest"
+        try:
+            return self.right_inverse(weight)
+        finally:
+            self.init = init
+
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, ...]:
         out = []
         by_kind = self.heads(weight)
@@ -728,8 +736,9 @@ def stiefelize(
                 )
         if init == "svd" or temperature:
             _fit_heads(converted, init == "svd", temperature, inputs)
-        if qk_input_norm:
-            for p, _, _ in converted:
+        for p, _, _ in converted:
+            p.owner.register_load_state_dict_pre_hook(_LoadsPlainLayout(p.name))
+            if qk_input_norm:
                 p.owner.register_forward_pre_hook(NormalisedInput())
         for p, param, before in converted:
             owner = next(n for n, m in module.named_modules() if m is p.owner)
@@ -774,33 +783,68 @@ def _converted_weights(model: nn.Module) -> list[str]:
     ]
 
 
-def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+def plain_state_dict(model: nn.Module, keep_frames: bool = False) -> dict[str, Tensor]:
     """model.state_dict() with every stiefelized weight in the plain layout of the original architecture: the key
-    `<module>.<weight>` holding the weight the frames (and temperatures) assemble, in place of its
-    `<module>.parametrizations.<weight>.original<i>` keys. What `save_pretrained` of a stiefelized model writes, so
-    that the plain model loads it (`from_pretrained`) and `stiefelize(init="nearest")` restores the frames."""
+    `<module>.<weight>` holding the weight the frames (and temperatures) assemble, in place of (keep_frames: beside)
+    its `<module>.parametrizations.<weight>.original<i>` keys. A plain model loads it (`from_pretrained`), and
+    `stiefelize(init="nearest")` then restores the frames."""
     state = model.state_dict()
     for name in _converted_weights(model):
         module_name, _, tensor = name.rpartition(".")
         module = model.get_submodule(module_name)
         prefix = f"{module_name}.parametrizations.{tensor}." if module_name else f"parametrizations.{tensor}."
-        for key in [k for k in state if k.startswith(prefix)]:
-            del state[key]
+        if not keep_frames:
+            for key in [k for k in state if k.startswith(prefix)]:
+                del state[key]
         state[name] = getattr(module, tensor).detach()
     return state
 
 
 def _save_plain_layout(model: nn.Module) -> None:
-    """Give a model with `save_pretrained` (Hugging Face) one that writes the plain layout (`plain_state_dict`),
-    unless its caller passes a state_dict of its own; `unstiefelize` takes it away."""
+    """Give a model with `save_pretrained` (Hugging Face) one that writes both layouts, unless its caller passes a
+    state_dict of its own: the plain weights, which the original architecture's `from_pretrained` loads (it reports
+    the frame keys as unused), and the frames, which a stiefelized model loads exactly (the Trainer's resume).
+    `unstiefelize` takes it away."""
     save = getattr(type(model), "save_pretrained", None)
     if save is None or "save_pretrained" in vars(model):
         return
 
     def save_pretrained(self, *args, state_dict=None, **kwargs):
-        return save(self, *args, state_dict=plain_state_dict(self) if state_dict is None else state_dict, **kwargs)
+        state = plain_state_dict(self, keep_frames=True) if state_dict is None else state_dict
+        return save(self, *args, state_dict=state, **kwargs)
 
     model.save_pretrained = types.MethodType(save_pretrained, model)
+
+
+class _LoadsPlainLayout:
+    """Load-state-dict pre-hook of a stiefelized weight's owner. Where a state dict holds both layouts (what
+    `save_pretrained` writes), the frames are loaded and the plain weight is dropped; where it holds the plain weight
+    only (a checkpoint of the original architecture), the weight is loaded as its nearest frames, as
+    `stiefelize(init="nearest")` would take them."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        if not parametrize.is_parametrized(module, self.name):  # unstiefelized since: an ordinary weight again
+            return
+        plain = prefix + self.name
+        if plain not in state_dict:
+            return
+        weight = state_dict.pop(plain)
+        originals = f"{prefix}parametrizations.{self.name}."
+        if any(k.startswith(originals) for k in state_dict):
+            return
+        param = next(p for p in module.parametrizations[self.name] if isinstance(p, StiefelProjection))
+        if param.n_query:
+            errors.append(
+                f"{plain} is in the plain layout, which holds each head's temperature folded into its weight: it "
+                "cannot restore the log-temperatures; load it into the plain model, then stiefelize(model, "
+                "init='nearest', temperature=True)"
+            )
+            return
+        for i, t in enumerate(param.nearest_originals(weight)):
+            state_dict[f"{originals}original{i}"] = t
 
 
 def _original(p: Projection, index: int) -> nn.Parameter:

@@ -223,17 +223,21 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
     task = modular_task(m["p"], cfg["op"], cfg["train_fraction"], cfg["split_seed"])
     xt, yt = task.train_tokens.to(device), task.train_labels.to(device)
     xv, yv = task.val_tokens.to(device), task.val_labels.to(device)
-    torch.manual_seed(cfg["seed"])
-    logit_options = {k: cfg[k] for k in ("logit_softcap", "logit_scale") if k in cfg}
     tau = cfg.get("qk_clip")
-    model = ModularTransformer(**m, **attention_options(cfg["arm"]), **logit_options, track_logits=tau is not None).to(
-        device
-    )
-    opts = _build(cfg, model)
-    warm = cfg["warmup_steps"]
-    scheds = [
-        torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0) for o in opts
-    ]
+
+    def fresh() -> tuple[ModularTransformer, list, list]:
+        """The model (from the seed), its optimizers and schedules, as at the first epoch."""
+        torch.manual_seed(cfg["seed"])
+        logit_options = {k: cfg[k] for k in ("logit_softcap", "logit_scale") if k in cfg}
+        model = ModularTransformer(
+            **m, **attention_options(cfg["arm"]), **logit_options, track_logits=tau is not None
+        ).to(device)
+        opts = _build(cfg, model)
+        warm = cfg["warmup_steps"]
+        lam = lambda step: min(1.0, (step + 1) / warm) if warm else 1.0  # noqa: E731
+        return model, opts, [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in opts]
+
+    model, opts, scheds = fresh()
 
     log: dict[str, list] = {
         k: [] for k in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "unembed_norm", "qk_isometry")
@@ -248,16 +252,26 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
     walls: list[float | None] = []  # wall-clock of each earlier stretch, up to its last checkpoint
     saved = checkpoint.load() if checkpoint is not None else None
     if saved is not None:
-        walls = saved.get("walls", [None])  # None: a checkpoint written before stretches were timed
-        model.load_state_dict(saved["model"])
-        for o, state in zip(opts, saved["opts"]):
-            o.load_state_dict(state)
-        for sched, state in zip(scheds, saved["scheds"]):
-            sched.load_state_dict(state)
-        log, mechanism = saved["log"], saved["mechanism"]
-        clip_heads, clip_steps, first_grok, t_train = saved["counters"]
-        torch.set_rng_state(saved["rng"])
-        start = saved["epoch"] + 1
+        try:  # a state that does not fit (another model or optimizer layout, a key missing) is not resumed
+            if len(saved["opts"]) != len(opts) or len(saved["scheds"]) != len(scheds):
+                raise ValueError(f"it holds {len(saved['opts'])} optimizer states; this run has {len(opts)}")
+            model.load_state_dict(saved["model"])
+            for o, state in zip(opts, saved["opts"]):
+                o.load_state_dict(state)
+            for sched, state in zip(scheds, saved["scheds"]):
+                sched.load_state_dict(state)
+            counters = tuple(saved["counters"])
+            if len(counters) != 4 or set(saved["log"]) != set(log):
+                raise ValueError(f"it logs {sorted(saved['log'])} and {len(counters)} counters; this run {sorted(log)}")
+            # None: a checkpoint written before stretches were timed
+            restored = (saved["log"], saved["mechanism"], counters, saved["epoch"] + 1, saved.get("walls", [None]))
+            torch.set_rng_state(saved["rng"])
+        except Exception as err:
+            checkpoint.reject(err)
+            saved = None
+            model, opts, scheds = fresh()  # as never resumed: the seed's model, new optimizers
+        else:
+            log, mechanism, (clip_heads, clip_steps, first_grok, t_train), start, walls = restored
     for epoch in range(start, cfg["epochs"] + 1):
         t0 = time.perf_counter()
         if tau is not None:

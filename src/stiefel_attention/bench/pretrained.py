@@ -46,7 +46,8 @@ from .family import Family, check_data
 from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, open_arms, provisional, save_figure
 from .lm import cached_text, window_loss
 from .lock import exclusive
-from .records import Cell
+from .partial import why_unreadable
+from .records import Cell, atomic_write
 from .report import write_experiment
 from .stats import describe, paired_comparison
 from .text import DEFAULT_TEXT_SHA256, check_windows, fixed_windows, random_windows
@@ -211,15 +212,40 @@ def checkpoint(recipe: dict, corpus, folder: Path, device: torch.device) -> tupl
         if path.exists():
             try:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
-                if saved["info"]["recipe"] == recipe:
+            except Exception as err:  # a file from an interrupted write, or damaged: made again
+                problem = why_unreadable(path, err)
+            else:
+                problem = _checkpoint_problem(saved, recipe)
+                if problem is None:
                     return path, saved["info"], saved["state_dict"]
-            except Exception as err:  # a file from an interrupted write, or another version: made again
-                print(f"pretrained: remaking {path} ({type(err).__name__}: {err})", flush=True)
+            print(f"pretrained: remaking {path}: {problem}", flush=True)
         info, state = _pretrain(recipe, corpus, device)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"info": info, "state_dict": state}, tmp)
-        os.replace(tmp, path)
+        with atomic_write(path, binary=True) as f:  # a reader never sees half a file
+            torch.save({"info": info, "state_dict": state}, f)
     return path, info, state
+
+
+def _checkpoint_problem(saved, recipe: dict) -> str | None:
+    """Why a loaded checkpoint file must not be used for this recipe, or None. Its weights must match the
+    weights_sha256 recorded when it was made: a file whose bytes changed but still parse is never used. A file
+    made before that was recorded cannot be checked, and says so."""
+    try:
+        info, state = saved["info"], saved["state_dict"]
+        if info["recipe"] != recipe:
+            return "it was made from another recipe"
+        if "weights_sha256" not in info:
+            print(f"pretrained: {recipe['model']} checkpoint made before checkpoints recorded their weights' sha256: "
+                  "used unchecked", flush=True)  # fmt: skip
+            return None
+        found = weights_sha256(state)
+    except Exception as err:  # not the dict a checkpoint is
+        return f"it is not a pretrained checkpoint ({type(err).__name__}: {err})"
+    if found != info["weights_sha256"]:
+        return (
+            f"its weights' sha256 is {found[:12]}, not the {info['weights_sha256'][:12]} recorded when it was made: "
+            "the file was changed or damaged"
+        )
+    return None
 
 
 def _pretrain(recipe: dict, corpus, device: torch.device) -> tuple[dict, dict]:
@@ -233,8 +259,9 @@ def _pretrain(recipe: dict, corpus, device: torch.device) -> tuple[dict, dict]:
         xb, yb = random_windows(corpus.train, recipe["batch"], recipe["context"], order)
         if not math.isfinite(_train_step(model, opt, sched, xb.to(device), yb.to(device))):
             raise RuntimeError(f"pretraining {recipe['model']} diverged; the recipe needs a lower pretrain_lr")
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     info = {"recipe": recipe, "data_sha256": corpus.sha256, "train_s": time.perf_counter() - t0}
-    return info, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return info | {"weights_sha256": weights_sha256(state)}, state
 
 
 def run(
@@ -368,6 +395,8 @@ def summarize(records: list[dict]) -> dict:
                 "max_isometry_error": max((m["max_isometry_error"] or 0.0 for m in ms), default=None),
             }
         )
+    for model in checkpoints:
+        _one_checkpoint(model, [r for r in records if r["config"]["model"] == model])
     for model in MODELS:
         for arm, base in COMPARISONS:
             a, b = by.get((model, arm), {}), by.get((model, base), {})
@@ -393,6 +422,31 @@ def _checkpoint_id(record: dict) -> str:
     return f"weights {c['weights_sha256'][:12]}" if "weights_sha256" in c else f"file {c['sha256'][:12]}"
 
 
+def _one_checkpoint(model: str, records: list[dict]) -> None:
+    """Refuse runs of one model fine-tuned from different pretrained checkpoints (a second seed's runs made from a
+    checkpoint pretrained again, elsewhere or by other code): their arms would be compared from different starting
+    points. A record made before weights were hashed names its file's sha256; a later record of the same file is
+    the same checkpoint."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[_checkpoint_id(r)].append(r)
+    if len(groups) < 2:
+        return
+    hashed = [r["checkpoint"] for r in records if "weights_sha256" in r["checkpoint"]]
+    old_files = {r["checkpoint"]["sha256"] for r in records if "weights_sha256" not in r["checkpoint"]}
+    if len({c["weights_sha256"] for c in hashed}) == 1 and old_files <= {c["sha256"] for c in hashed}:
+        return
+    parts = [
+        f"{cid} ({len(rs)} runs, seeds {', '.join(map(str, sorted({r['config']['seed'] for r in rs})))})"
+        for cid, rs in sorted(groups.items())
+    ]
+    raise UserError(
+        f"the {model} runs were fine-tuned from {len(groups)} different pretrained checkpoints: {'; '.join(parts)}; "
+        "a summary compares arms fine-tuned from one checkpoint: move the records of all but one aside (each names "
+        "its checkpoint under 'checkpoint') and run them again from that checkpoint's file in --checkpoints"
+    )
+
+
 def _finals(a: dict, b: dict) -> tuple:
     return a["metrics"]["final_val_loss"], b["metrics"]["final_val_loss"]
 
@@ -413,6 +467,9 @@ def verdict(summary: dict, model: str) -> str:
     """One sentence per model, from the computed rows and comparisons only."""
     rows = {r["arm"]: r for r in summary["rows"] if r["model"] == model}
     comps = {(c["arm"], c["baseline"]): c for c in summary["comparisons"] if c["model"] == model}
+    if rows and all(r["diverged"] == r["n"] for r in rows.values()):
+        n = sum(r["n"] for r in rows.values())
+        return f"every fine-tuning run diverged ({n} of {n}): no final loss to compare and no curve to plot"
     if "adamw" not in rows or len(rows) < 2:
         return "not yet measured"
     frame_arms = [a for a in ARMS if a != "adamw" and a in rows]
@@ -451,12 +508,13 @@ def markdown(s: dict, profile: str) -> str:
     ]
     for r in s["rows"]:
         fin = r["final_val_loss"]
+        final = f"{fin['mean']:.4f} ± {fin['std']:.4f}" if fin["n"] else "— (every run diverged)"
         steps = "—" if r["median_steps_to_recover"] is None else f"{r['median_steps_to_recover']:g}"
         iso = "—" if r["arm"] == "adamw" else f"{r['max_isometry_error']:.1e}"
         lines.append(
             f"| {r['model']} | {r['arm']} | {r['n']} | {r['pretrained_val_loss']['mean']:.4f} | "
             f"{r['converted_val_loss']['mean']:.4f} | {r['recovered']}/{r['n']} | {steps} | "
-            f"{fin['mean']:.4f} ± {fin['std']:.4f} | {r['diverged']} | {iso} |"
+            f"{final} | {r['diverged']} | {iso} |"
         )
     lines += [
         "",
@@ -486,6 +544,11 @@ def curves_plot(records: list[dict], out_dir: Path, made: list[str]) -> None:
     for col, model in enumerate(models):
         top, bottom = axes[0][col], axes[1][col]
         recs = [r for r in records if r["config"]["model"] == model and r["metrics"]["diverged_at_step"] is None]
+        if not recs:  # no finished curve to draw: the panel says why
+            top.text(0.5, 0.5, f"every {model} run diverged", ha="center", va="center", transform=top.transAxes)
+            top.set(title=model)
+            bottom.set_axis_off()
+            continue
         by_arm = {a: {r["config"]["seed"]: r for r in recs if r["config"]["arm"] == a} for a in ARMS}
         base = by_arm["adamw"]
         for i, (arm, mine) in enumerate(by_arm.items()):

@@ -109,6 +109,10 @@ def execute_cell(cell: Cell, threads: int | None = None) -> dict:
         options["checkpoint"] = checkpoint
     try:
         result = family.run(cell.config, **options)
+    except Exception as err:
+        if checkpoint is not None:  # a checkpoint the failed run resumed from is not kept to fail the next one
+            checkpoint.discard(err)
+        raise
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads_before)
