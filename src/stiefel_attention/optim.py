@@ -71,15 +71,26 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _guard
 from ._dtensor import GATHER, all_reduce_over_mesh, frame_layout, is_dtensor, like_frames_batch
-from .manifold import _compute_dtype, _polar_factor, check_frames, inv_sqrt_gram, isometry_error, project_tangent, sym
+from .manifold import (
+    _compute_dtype,
+    _polar_factor,
+    check_frames,
+    inv_sqrt_gram,
+    isometry_error,
+    project_tangent,
+    spectral_tangent_direction,
+    sym,
+)
 
 __all__ = [
     "FrameStepError",
     "NonFiniteGradientError",
     "StiefelAdam",
+    "StiefelMuon",
     "StiefelSGD",
     "param_groups",
     "stiefel_adam",
+    "stiefel_muon",
     "stiefel_sgd",
 ]
 
@@ -566,6 +577,56 @@ def stiefel_sgd(
     coefs = [torch.full((_frames_view(W).shape[0],), lr, dtype=W.dtype, device=W.device) for W in params]
     # with momentum the directions are the (restored, finite) buffers; without, the raw tangent gradients
     _batched_retract(params, directions, coefs, workspaces, max_step, keep, finite_directions=momentum != 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional StiefelMuon (manifold Muon)
+# ---------------------------------------------------------------------------------------------
+
+
+def stiefel_muon(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    workspaces: list[Tensor] | None = None,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    tol: float,
+    max_iters: int,
+    keep: list[Tensor] | None = None,
+) -> Tensor:
+    """One manifold-Muon step per frame; returns the largest duality gap of the inner solves (0-d tensor).
+
+    b = momentum * b + grad (ambient, as torch's Muon; transport is unnecessary, the solve projects);
+    U = grad + momentum * b with nesterov, else b; A = lr * the tangent direction of steepest descent under the
+    spectral norm for U (`manifold.spectral_tangent_direction`: tangent, ||A||_2 = lr); W <- polar(W + A), whose
+    Gram matrix I + A^T A has its spectrum in [1, 1 + lr^2]. weight_decay has no effect on frames: its Riemannian
+    gradient P_W(wd W) is zero (Proposition 5), so it is not added (added to an ambient momentum, the decay of past
+    frames would not be normal at the current one).
+    """
+    worst = torch.zeros(())
+    for i, (W, G, buf) in enumerate(zip(params, grads, momentum_buffers)):
+        k = None if keep is None else keep[i].view(W.shape[:-2])
+        g = G
+        if k is not None:
+            old = (W.clone(), buf.clone())
+            g = torch.where(k[..., None, None], g, torch.zeros_like(g))
+        buf.mul_(momentum).add_(g)
+        U = g + momentum * buf if nesterov else buf
+        A, gap, _ = spectral_tangent_direction(W, U, tol=tol, max_iters=max_iters)
+        Y = W + lr * A  # (..., d, r)
+        gram = (Y.mT @ Y).reshape(-1, W.shape[-1], W.shape[-1])
+        slack = 1e-3  # the frame's own round-off (the start check allows 1e-3) and the gram's
+        W.copy_(Y @ inv_sqrt_gram(gram, 1.0 - slack, 1.0 + lr * lr + slack).view(W.shape[:-2] + gram.shape[-2:]))
+        if k is not None:
+            _keep_where(k, W, old[0])
+            _keep_where(k, buf, old[1])
+            gap = torch.where(k, gap, torch.zeros_like(gap))
+        worst = torch.maximum(worst, gap.max().to(worst.dtype)) if gap.numel() else worst
+    return worst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1104,3 +1165,95 @@ class StiefelSGD(_RiemannianOptimizer):
             precomputed=precomputed,
             keep=keep,
         )
+
+
+class StiefelMuon(_RiemannianOptimizer):
+    """Manifold Muon on frames: steepest descent under the spectral norm within the tangent space of St(d, r),
+    then the polar retraction (Bernstein, "Modular Manifolds", Thinking Machines, 2025); AdamW on other groups.
+
+    Each step moves every frame by exactly lr in spectral norm along the tangent direction that decreases the
+    loss fastest for that norm (`manifold.spectral_tangent_direction`, found by dual ascent on a symmetric
+    multiplier; tangent and of spectral norm lr to round-off whatever the solve reached, its optimality certified
+    by the duality gap). Like Muon, the step is scale free and uses momentum (Nesterov by default) on the raw
+    gradient. Weight decay on frames is a no-op (not added: its Riemannian gradient is zero). The same param
+    groups, `param_groups(model)`, state_dict, DTensor and non-finite conventions as StiefelAdam.
+
+    Args:
+        lr: the spectral norm of every frame's step (AdamW's lr in AdamW groups).
+        momentum, nesterov: the momentum of the gradient, as torch.optim.Muon.
+        tol, max_iters: the inner solve stops when every frame's duality gap (relative) is at most tol, or after
+            max_iters iterations (a host read per iteration). The defaults reach tol in a few iterations for
+            frames with d >= 4r, attention heads' usual shape (tests); `last_gap` holds the largest gap of the
+            last step.
+        betas, eps: AdamW's, for groups with stiefel=False.
+    """
+
+    _n_frame_items = 1
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        *,
+        tol: float = 1e-3,
+        max_iters: int = 30,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        nonfinite: str = "raise",
+        foreach: bool | None = None,
+        fused: bool | None = None,
+    ):
+        _check_common(lr, weight_decay, None, nonfinite)
+        _check_betas_eps(betas, eps)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            tol=tol,
+            max_iters=max_iters,
+            betas=tuple(betas),
+            eps=eps,
+            foreach=foreach,
+            fused=fused,
+            max_step=None,
+        )
+        self.last_gap = torch.zeros(())
+        super().__init__(params, defaults, nonfinite)
+
+    def _check_rule(self, group: dict[str, Any]) -> None:
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"invalid momentum: {group['momentum']!r}; in [0, 1)")
+        if not (_is_number(group["tol"]) and 0.0 < group["tol"] < 1.0):
+            raise ValueError(f"invalid tol: {group['tol']!r}; a relative duality gap in (0, 1)")
+        if not (isinstance(group["max_iters"], int) and group["max_iters"] >= 1):
+            raise ValueError(f"invalid max_iters: {group['max_iters']!r}; a whole number >= 1")
+
+    def _fast(self, group: dict, lists: list[list]) -> bool:
+        return False  # its own batched path: no precomputed tangent norms
+
+    def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return (state["momentum_buffer"],)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        self.last_gap = torch.zeros(())  # the largest duality gap over this step's frame batches
+        return super().step(closure)
+
+    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+        gap = stiefel_muon(
+            *lists,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            tol=group["tol"],
+            max_iters=group["max_iters"],
+            keep=keep,
+        )
+        self.last_gap = torch.maximum(self.last_gap, gap.to(self.last_gap.dtype))
