@@ -127,6 +127,8 @@ SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
         "orthogonal-param": (3e-2,),
         "stiefel-adam": (0.3,),
         "stiefel-adam-temp": (0.3, 1.0),
+        "stiefel-adam-bounded": (1.0,),
+        "stiefel-adam-bounded-temp": (1.0,),
     },
 }
 SAMPLE_CHARS = 300
