@@ -1,5 +1,6 @@
-"""mkdocs hook: the committed results (REPORT.md, README.md, every summary.md and plot) become pages of
-the site, exactly as the report command wrote them, under results/."""
+"""mkdocs hook: the committed results of both profiles (REPORT.md, README.md, every summary.md and plot) become
+pages of the site, exactly as the report command wrote them, under results/ and results-paper/ (each REPORT links
+the other's rows)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("results", "results-paper")
 
 
 def on_files(files, config):
-    for path in sorted(RESULTS.rglob("*")):
-        if path.suffix in (".md", ".png") and "runs" not in path.parts:
-            rel = path.relative_to(RESULTS.parent).as_posix()
-            files.append(File(rel, str(RESULTS.parent), config["site_dir"], config["use_directory_urls"]))
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".md", ".png") and "runs" not in path.parts:
+                rel = path.relative_to(ROOT).as_posix()
+                files.append(File(rel, str(ROOT), config["site_dir"], config["use_directory_urls"]))
     return files
