@@ -84,11 +84,13 @@ from .manifold import (
 
 __all__ = [
     "FrameStepError",
+    "LandingStiefelAdam",
     "NonFiniteGradientError",
     "StiefelAdam",
     "StiefelMuon",
     "StiefelSGD",
     "param_groups",
+    "landing_stiefel_adam",
     "stiefel_adam",
     "stiefel_muon",
     "stiefel_sgd",
@@ -118,16 +120,16 @@ def _non_finite_error(where: Sequence[str]) -> NonFiniteGradientError:
 _START_TOLERANCE = 1e-3
 
 
-def _check_start(p: Tensor, where: str) -> None:
+def _check_start(p: Tensor, where: str, tol: float = _START_TOLERANCE) -> None:
     if is_dtensor(p):  # every rank checks what it holds; the verdict is the whole mesh's
         layout = frame_layout(p, where)
         local = p.to_local()
         if local.is_meta:
             return
         whole = p.full_tensor() if layout == GATHER else local
-        _check_values(whole, where, mesh=p.device_mesh)
+        _check_values(whole, where, mesh=p.device_mesh, tol=tol)
         return
-    _check_values(p, where)
+    _check_values(p, where, tol=tol)
 
 
 def _retract(W: Tensor, xi: Tensor) -> Tensor:
@@ -151,7 +153,7 @@ def _dtype_message(where: str, dtype: torch.dtype) -> str:
     )
 
 
-def _check_values(p: Tensor, where: str, mesh=None) -> None:
+def _check_values(p: Tensor, where: str, mesh=None, tol: float = _START_TOLERANCE) -> None:
     try:
         check_frames(p, name=where)
     except (ValueError, TypeError) as err:
@@ -170,7 +172,6 @@ def _check_values(p: Tensor, where: str, mesh=None) -> None:
     if mesh is not None:  # an empty shard still takes part in the mesh's verdict
         err = all_reduce_over_mesh(err.nan_to_num(nan=math.inf).to(p.device), torch.distributed.ReduceOp.MAX, mesh)
     err = float(err)
-    tol = _START_TOLERANCE
     if not math.isfinite(err) or err > tol:
         raise ValueError(
             f"{where} is not on the Stiefel manifold: max ||W^T W - I||_F = {err:.3g} > {tol:g}. "
@@ -630,6 +631,66 @@ def stiefel_muon(
 
 
 # ---------------------------------------------------------------------------------------------
+# Functional landing StiefelAdam (retraction-free)
+# ---------------------------------------------------------------------------------------------
+
+
+def landing_drift_bound(max_step: float) -> float:
+    """The bound on max ||W^T W - I||_2 that `landing_stiefel_adam` keeps for every frame, step after step."""
+    return 2.0 * max_step * max_step
+
+
+def landing_stiefel_adam(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    state_steps: list[Tensor],
+    workspaces: list[Tensor] | None = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    max_step: float,
+    keep: list[Tensor] | None = None,
+) -> None:
+    """StiefelAdam's moments and step D, then a landing update in place of the polar retraction:
+
+        xi = psi W,  psi = (I - W W^T / 2) D W^T - W D^T (I - W W^T / 2)   (skew: W^T xi is skew for any W)
+        xi *= min(1, max_step / ||xi||_F)
+        W <- W + xi - W (W^T W - I) / 2                                    (one Newton-Schulz step towards St)
+
+    For orthonormal W and tangent D, xi = D. With E = W^T W - I, the new E is
+    xi^T xi - 3/4 E^2 + 1/4 E^3 - (xi^T W E + E W^T xi) / 2, so ||E||_2 <= 2 max_step^2 holds for every later
+    step once it holds (max_step <= 1/4; `landing_drift_bound`): the frames stay within that distance of the
+    manifold, never on it, with no eigendecomposition or inverse root. Gradients and moments are projected with
+    P_W's formula G - W sym(W^T G) at the current, nearly orthonormal, W. One scalar second moment per frame.
+    """
+    for i, (W, G, m, v, step_t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
+        k = None if keep is None else keep[i].view(W.shape[:-2])
+        old = None if k is None else (W.clone(), m.clone(), v.clone())
+        g = G - W @ sym(W.mT @ G)
+        if k is not None:
+            g = torch.where(k[..., None, None], g, torch.zeros_like(g))
+        step_t += 1
+        bc1, bc2 = _bias_corrections(float(step_t), beta1, beta2)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        m.sub_(W @ sym(W.mT @ m))  # transport to the current W
+        v.mul_(beta2).add_(g.square().sum(dim=(-2, -1)), alpha=1.0 - beta2)
+        D = -lr * (m / bc1) / (v / bc2).sqrt().add_(eps).clamp_min_(torch.finfo(v.dtype).tiny)[..., None, None]
+        WtW = W.mT @ W  # (..., r, r)
+        DtW = D.mT @ W
+        xi = D @ WtW - 0.5 * (W @ ((W.mT @ D) @ WtW)) - W @ DtW + 0.5 * (W @ (DtW @ WtW))
+        xi = _cap(xi, max_step)
+        E = WtW - torch.eye(W.shape[-1], dtype=W.dtype, device=W.device)
+        W.add_(xi - 0.5 * (W @ E))
+        if old is not None:
+            for new, before in zip((W, m, v), old):
+                _keep_where(k, new, before)
+
+
+# ---------------------------------------------------------------------------------------------
 # Optimizer classes
 # ---------------------------------------------------------------------------------------------
 
@@ -682,6 +743,10 @@ class _RiemannianOptimizer(Optimizer):
         # Scratch buffers, one per parameter: derived data, so never saved in state_dict.
         self._workspaces: dict[Tensor, Tensor] = {}
 
+    def _start_tolerance(self, group: dict[str, Any], p: Tensor) -> float:
+        """How far from orthonormal (max ||W^T W - I||_F) a frame of this group may be when it is checked."""
+        return _START_TOLERANCE
+
     def keeps_frames_on_manifold(self, group: dict[str, Any]) -> bool:
         """The groups whose rule keeps frames on St(d, r) (`_guard`): those with stiefel=True."""
         return bool(group["stiefel"])
@@ -704,7 +769,7 @@ class _RiemannianOptimizer(Optimizer):
         if not group["stiefel"]:
             return
         for i, p in enumerate(group["params"]):
-            _check_start(p.detach(), self._name(gi, i, p))
+            _check_start(p.detach(), self._name(gi, i, p), self._start_tolerance(group, p))
             self._versions[p] = _version(p)
 
     def _check_frames_now(self) -> None:
@@ -718,7 +783,7 @@ class _RiemannianOptimizer(Optimizer):
                     raise ValueError(_dtype_message(self._name(gi, i, p), p.dtype) + " The step was refused.")
                 # a DTensor's start check is collective: only after load_state_dict, which every rank calls
                 if self._recheck or (not is_dtensor(p) and self._versions.get(p) != _version(p)):
-                    _check_start(p.detach(), self._name(gi, i, p))
+                    _check_start(p.detach(), self._name(gi, i, p), self._start_tolerance(group, p))
         self._recheck = False
 
     def _remember_versions(self) -> None:
@@ -1257,3 +1322,59 @@ class StiefelMuon(_RiemannianOptimizer):
             keep=keep,
         )
         self.last_gap = torch.maximum(self.last_gap, gap.to(self.last_gap.dtype))
+
+
+class LandingStiefelAdam(StiefelAdam):
+    """StiefelAdam without a retraction: the landing method (Ablin & Peyre 2022; Ablin, Vary, Gao & Absil 2023 for
+    St(d, r)), with StiefelAdam's moments and one scalar second moment per frame. Each step moves a frame along a
+    direction whose first-order effect on W^T W is zero and pulls it back towards the manifold by one
+    Newton-Schulz step (`landing_stiefel_adam`); no eigendecomposition or inverse square root. Frames are not
+    kept exactly orthonormal: max ||W^T W - I||_2 <= 2 max_step^2 at every step (`drift_bound`; 0.02 at
+    max_step = 0.1), which `manifold_distance()` reports. max_step is required and at most 1/4. AdamW on groups
+    with stiefel=False, as StiefelAdam.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, max_step: float = 0.1,
+                 weight_decay: float = 0.0, *, nonfinite: str = "raise", foreach=None, fused=None):  # fmt: skip
+        super().__init__(params, lr, betas, eps, max_step, weight_decay, batched=False, nonfinite=nonfinite,
+                         foreach=foreach, fused=fused)  # fmt: skip
+
+    def _check_rule(self, group: dict[str, Any]) -> None:
+        super()._check_rule(group)
+        if group["stiefel"] and not (group["max_step"] is not None and 0.0 < group["max_step"] <= 0.25):
+            raise ValueError(
+                f"LandingStiefelAdam needs max_step in (0, 0.25] on frames (its drift bound is 2 max_step^2), got "
+                f"{group['max_step']!r}"
+            )
+
+    def _start_tolerance(self, group: dict[str, Any], p: Tensor) -> float:
+        # the Frobenius norm of an r x r matrix is at most sqrt(r) times its spectral norm
+        return max(_START_TOLERANCE, 1.01 * math.sqrt(p.shape[-1]) * landing_drift_bound(group["max_step"]))
+
+    def drift_bound(self, group: dict[str, Any] | None = None) -> float:
+        """The bound on ||W^T W - I||_2 of the group's frames (the first frame group's by default)."""
+        group = group or next(g for g in self.param_groups if g["stiefel"])
+        return landing_drift_bound(group["max_step"])
+
+    @torch.no_grad()
+    def manifold_distance(self) -> float:
+        """The largest ||W^T W - I||_2 over this optimizer's frames now (r x r work per frame, one host read)."""
+        worst = 0.0
+        for group in self.param_groups:
+            for p in group["params"] if group["stiefel"] else ():
+                W = (p.full_tensor() if is_dtensor(p) else p).double()
+                E = W.mT @ W - torch.eye(W.shape[-1], dtype=W.dtype, device=W.device)
+                worst = max(worst, float(torch.linalg.matrix_norm(E, 2).max()))
+        return worst
+
+    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+        beta1, beta2 = group["betas"]  # weight decay: a no-op on frames, not applied (its projection is zero)
+        landing_stiefel_adam(
+            *lists,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            max_step=group["max_step"],
+            keep=keep,
+        )
