@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stiefel_attention.bench.arms import ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from stiefel_attention.bench.kong import KongStiefelAdam
 from stiefel_attention.bench.models import ModularTransformer, PatchViT
 from stiefel_attention.manifold import isometry_error, random_frame
 from stiefel_attention.nn import QK_MODES, Block, StiefelAttention, frames, qk_matrices, qk_parameters
@@ -28,6 +29,7 @@ ORTHO_ARMS = (
     "stiefel-adam-temp",
     "stiefel-adam-bounded",
     "stiefel-adam-bounded-temp",
+    "kong-stiefel-adam",
 )
 STANDARD_ARMS = ("adamw", "adamw-qk-nodecay", "qk-norm", "muon", "adamw-bounded")
 # Parameters an arm may add to or re-parametrise on the query-key path
@@ -590,11 +592,17 @@ def test_every_arm_trains_its_model(arm):
     # every trainable parameter is stepped by exactly one optimizer
     stepped = [id(p) for o in opts for g_ in o.param_groups for p in g_["params"]]
     assert sorted(stepped) == sorted(id(p) for p in model.parameters() if p.requires_grad)
-    frame_groups = [g_ for o in opts for g_ in o.param_groups if g_.get("stiefel")]
-    assert {id(p) for g_ in frame_groups for p in g_["params"]} == {id(p) for _, p in frames(model)}
+    frame_groups = [(o, g_) for o in opts for g_ in o.param_groups if _steps_frames(o, g_)]
+    assert {id(p) for _, g_ in frame_groups for p in g_["params"]} == {id(p) for _, p in frames(model)}
     if spec.qk == "stiefel":
-        expected = StiefelSGD if arm == "stiefel-sgd" else StiefelAdam
-        assert all(isinstance(o, expected) for o in opts if any(g_.get("stiefel") for g_ in o.param_groups))
+        expected = {"stiefel-sgd": StiefelSGD, "kong-stiefel-adam": KongStiefelAdam}.get(arm, StiefelAdam)
+        assert frame_groups and all(isinstance(o, expected) for o, _ in frame_groups)
+
+
+def _steps_frames(opt, group) -> bool:
+    """Whether opt's rule keeps the frames of this group on the manifold (the guard's question)."""
+    rule = getattr(opt, "keeps_frames_on_manifold", False)
+    return bool(rule(group)) if callable(rule) else bool(rule)
 
 
 def test_muon_arm_steps_qk_with_torchs_muon_on_linear_shaped_matrices():

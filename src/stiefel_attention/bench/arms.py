@@ -135,6 +135,16 @@ def _muon(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
     return [rest, muon_cls(qk, lr=hp.qk_lr, weight_decay=hp.weight_decay, adjust_lr_fn="match_rms_adamw")]
 
 
+def _kong(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
+    """Kong, Wang & Tao's Stiefel Adam on the frames (their paper's settings: betas (0.9, 0.99), eps 1e-5) at
+    frame_lr; AdamW with nanoGPT's decay rule on everything else, as every arm."""
+    from .kong import KongStiefelAdam
+
+    groups, qk = _without_qk(model, hp)
+    rest = StiefelAdam(groups, lr=hp.lr, betas=hp.betas, eps=hp.eps)
+    return [rest, KongStiefelAdam(qk, lr=hp.qk_lr, betas=(0.9, 0.99), eps=1e-5)]
+
+
 def _frozen(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
     return [_adamw(model, hp)]  # frozen W_Q, W_K do not require a gradient, so param_groups leaves them out
 
@@ -219,6 +229,13 @@ ARMS: dict[str, Arm] = {
             _stiefel("adam"),
             swept="frame_lr",
             trust_region=True,
+        ),
+        Arm(
+            "kong-stiefel-adam",
+            "baseline: Kong, Wang & Tao's momentum Stiefel Adam (ICLR 2023) on Q/K frames, AdamW elsewhere",
+            _FRAMES,
+            _kong,
+            swept="frame_lr",
         ),
         Arm(
             "stiefel-adam-bounded",
