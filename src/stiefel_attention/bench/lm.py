@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..nn import qk_clip, reset_logit_stats
 from ..optim import NonFiniteGradientError
-from .arms import arm_spec
+from .arms import BOUNDED_ARMS, arm_spec
 from .errors import NotReady
 from .family import Family, check_data
 from .models import CharGPT
@@ -80,6 +80,9 @@ PROFILES: dict[str, dict] = {
             "orthogonal-param": {"frame_lr": 1e-2},
             "muon": {"frame_lr": 3e-2},
             "stiefel-adam-temp": {"frame_lr": 0.3},
+            "adamw-bounded": {"lr": 1e-2},
+            "stiefel-adam-bounded": {"frame_lr": 0.3},
+            "stiefel-adam-bounded-temp": {"frame_lr": 0.3},
         },
         # lr-stability's QK-Clip threshold, fixed before its runs: above the largest attention logit of every
         # adamw run of `main` (m = 1; 12 seeds, largest head at the end 32.5-44.7), so that it binds only where
@@ -101,7 +104,7 @@ PROFILES: dict[str, dict] = {
         **_NANOGPT,
     ),
 }
-MAIN_ARMS = SEQUENCE_ARMS
+MAIN_ARMS = SEQUENCE_ARMS + BOUNDED_ARMS
 SCALING_STEPS = (0.5, 1.0, 2.0)  # training steps, as multiples of the profile's
 # lr-stability (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training instabilities"):
 # every rate an arm has (its tuned rates) times m; adamw also with QK-Clip at the profile's qk_clip_tau. At m = 1
@@ -113,6 +116,7 @@ STABILITY_RUNS = (
     ("stiefel-adam", False),
     ("stiefel-adam-temp", False),
     ("frozen", False),
+    *((arm, False) for arm in BOUNDED_ARMS),
 )
 LR_MULTIPLIERS = {"smoke": (1.0, 64.0), "cpu": (0.25, 1.0, 4.0, 16.0, 64.0), "paper": (0.25, 1.0, 4.0, 16.0, 64.0)}
 EXPERIMENTS = ("main", "lr-sweep", "scaling", "lr-stability")
