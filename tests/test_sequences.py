@@ -198,7 +198,8 @@ def test_cli_smoke_main_writes_records_and_a_summary(family, corpus_file, tmp_pa
     args += ["--no-progress", *(["--data", str(corpus_file)] if family == "lm" else [])]
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "main" / "summary.json").read_text())
-    assert summary["n_records"] == 20 and len(summary["controls"]["arms"]) == 10
+    arms = {"lm": lm, "mqar": mqar}[family].MAIN_ARMS  # smoke: two seeds of every main arm
+    assert summary["n_records"] == 2 * len(arms) and len(summary["controls"]["arms"]) == len(arms)
     roles = {c["role"] for c in summary["controls"]["comparisons"]}
     assert roles == {"sensitivity", "stiefel-adam vs arm", "control vs adamw"}
     assert (tmp_path / "main" / "mechanism.png").exists()
