@@ -1,0 +1,72 @@
+"""The two-way decomposition of the geometry x optimizer table: shares that add to one, each factor found when it
+alone moves the cells, intervals that shrink with seeds, and the best cell against the second."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stiefel_attention.bench.factorial import decompose, two_way_shares
+
+GEOMETRIES = ("euclidean", "qk-norm", "frames")
+OPTIMIZERS = ("adam", "muon", "sgd")
+
+
+def _table(effect, n_seeds=12, noise=0.01, seed=0):
+    rng = np.random.default_rng(seed)
+    seed_effect = rng.normal(0, 0.05, n_seeds)  # shared by every cell of a seed: pairing removes it
+    return {
+        (g, o): {s: effect(i, j) + seed_effect[s] + rng.normal(0, noise) for s in range(n_seeds)}
+        for i, g in enumerate(GEOMETRIES)
+        for j, o in enumerate(OPTIMIZERS)
+    }
+
+
+@pytest.mark.parametrize(
+    "effect, dominant",
+    [
+        (lambda i, j: 1.0 * i, "geometry"),
+        (lambda i, j: 1.0 * j, "optimizer"),
+        (lambda i, j: 1.0 * ((i == j) - 1 / 3), "interaction"),  # a diagonal pattern, no main effects
+    ],
+)
+def test_the_factor_that_moves_the_cells_carries_the_spread(effect, dominant):
+    d = decompose(_table(effect), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
+    assert sum(d.shares.values()) == pytest.approx(1.0)
+    assert d.shares[dominant] > 0.95
+    lo, hi = d.intervals[dominant]
+    assert lo <= d.shares[dominant] <= hi and lo > 0.9
+
+
+def test_the_shares_are_the_textbook_two_way_sums_of_squares():
+    means = np.array([[1.0, 2.0, 4.0], [2.0, 2.0, 2.0]])
+    grand = means.mean()
+    rows, cols = means.mean(1), means.mean(0)
+    ss_g = 3 * ((rows - grand) ** 2).sum()
+    ss_o = 2 * ((cols - grand) ** 2).sum()
+    total = ((means - grand) ** 2).sum()  # balanced: the three parts add to the total
+    shares = two_way_shares(means)
+    assert shares["geometry"] == pytest.approx(ss_g / total) and shares["optimizer"] == pytest.approx(ss_o / total)
+    assert shares["interaction"] == pytest.approx(1 - (ss_g + ss_o) / total)
+
+
+def test_intervals_shrink_with_more_seeds_and_the_best_cell_is_compared_with_the_second():
+    effect = lambda i, j: 0.3 * i + 0.1 * j  # noqa: E731
+    few = decompose(_table(effect, n_seeds=4, noise=0.2), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
+    many = decompose(_table(effect, n_seeds=40, noise=0.2), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
+    width = lambda d: d.intervals["geometry"][1] - d.intervals["geometry"][0]  # noqa: E731
+    assert width(many) < width(few)
+    assert many.best == ("euclidean", "adam") and many.second == ("euclidean", "muon")
+    assert many.best_vs_second["mean_diff"] < 0 and many.best_vs_second["n_seeds"] == 40
+    text = many.sentence("nats/char", higher_is_better=False)
+    assert "the geometry carries the most" in text and "Best cell: euclidean x adam" in text
+
+
+def test_a_missing_cell_or_too_few_shared_seeds_is_refused():
+    table = _table(lambda i, j: 0.0)
+    del table[("frames", "sgd")]
+    with pytest.raises(ValueError, match="misses 1 cells: frames x sgd"):
+        decompose(table, GEOMETRIES, OPTIMIZERS, higher_is_better=True)
+    table = _table(lambda i, j: 0.0, n_seeds=1)
+    with pytest.raises(ValueError, match="share 1 seeds"):
+        decompose(table, GEOMETRIES, OPTIMIZERS, higher_is_better=True)
