@@ -70,3 +70,37 @@ def test_a_missing_cell_or_too_few_shared_seeds_is_refused():
     table = _table(lambda i, j: 0.0, n_seeds=1)
     with pytest.raises(ValueError, match="share 1 seeds"):
         decompose(table, GEOMETRIES, OPTIMIZERS, higher_is_better=True)
+
+
+def test_every_cell_of_the_table_is_an_arm_of_its_geometry_and_its_optimizer_family():
+    import torch
+
+    from stiefel_attention import StiefelAdam, StiefelMuon, StiefelSGD, qk_parameters
+    from stiefel_attention.bench.arms import (
+        FACTORIAL,
+        FACTORIAL_GEOMETRIES,
+        FACTORIAL_OPTIMIZERS,
+        HyperParameters,
+        arm_spec,
+        attention_options,
+        build_optimizers,
+    )
+    from stiefel_attention.bench.models import CharGPT
+
+    assert set(FACTORIAL) == {(g, o) for g in FACTORIAL_GEOMETRIES for o in FACTORIAL_OPTIMIZERS}
+    families = {"adam": (StiefelAdam,), "muon": (torch.optim.Muon, StiefelMuon), "sgd": (torch.optim.SGD, StiefelSGD)}
+    for (geometry, family), arm in FACTORIAL.items():
+        att = arm_spec(arm).attention
+        is_geometry = {
+            "euclidean": att["qk"] == "euclidean" and not att.get("qk_norm") and not att.get("qk_input_norm"),
+            "qk-norm": att["qk"] == "euclidean" and att.get("qk_norm", False),
+            "frames": att["qk"] == "stiefel" and not att.get("qk_input_norm"),
+            "bounded frames": att["qk"] == "stiefel" and att.get("qk_input_norm", False),
+        }[geometry]
+        assert is_geometry and "temperature" not in att, arm
+        torch.manual_seed(0)
+        model = CharGPT(20, 8, d_model=16, n_layers=1, n_heads=2, head_dim=4, mlp_ratio=2, **attention_options(arm))
+        opts = build_optimizers(model, arm, HyperParameters(lr=1e-3, weight_decay=0.1, frame_lr=1e-2, max_step=0.1))
+        qk = {id(p) for _, p in qk_parameters(model)}
+        stepping = {type(o) for o in opts for g in o.param_groups for p in g["params"] if id(p) in qk}
+        assert len(stepping) == 1 and issubclass(stepping.pop(), families[family]), arm

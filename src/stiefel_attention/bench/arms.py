@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..nn import qk_parameters
-from ..optim import StiefelAdam, StiefelSGD, param_groups
+from ..optim import LandingStiefelAdam, StiefelAdam, StiefelMuon, StiefelSGD, param_groups
 
 __all__ = [
     "ARMS",
@@ -135,6 +135,26 @@ def _muon(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
     return [rest, muon_cls(qk, lr=hp.qk_lr, weight_decay=hp.weight_decay, adjust_lr_fn="match_rms_adamw")]
 
 
+def _sgd(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
+    """SGD with momentum (hp.sgd_momentum) and the model's weight decay on W_Q, W_K at frame_lr; AdamW elsewhere:
+    the SGD column's Euclidean cells of the geometry x optimizer table."""
+    groups, qk = _without_qk(model, hp)
+    rest = StiefelAdam(groups, lr=hp.lr, betas=hp.betas, eps=hp.eps)
+    return [rest, torch.optim.SGD(qk, lr=hp.qk_lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)]
+
+
+def _stiefel_muon(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
+    """StiefelMuon (manifold Muon) on the frames at frame_lr, its defaults otherwise; AdamW elsewhere."""
+    groups = param_groups(model, hp.weight_decay, frame_lr=hp.qk_lr)
+    return [StiefelMuon(groups, lr=hp.lr, betas=hp.betas, eps=hp.eps)]
+
+
+def _landing(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
+    """LandingStiefelAdam (no retraction; frames within 2 max_step^2 of the manifold) at frame_lr; AdamW elsewhere."""
+    groups = param_groups(model, hp.weight_decay, frame_lr=hp.qk_lr)
+    return [LandingStiefelAdam(groups, lr=hp.lr, betas=hp.betas, eps=hp.eps, max_step=hp.max_step)]
+
+
 def _kong(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
     """Kong, Wang & Tao's Stiefel Adam on the frames (their paper's settings: betas (0.9, 0.99), eps 1e-5) at
     frame_lr; AdamW with nanoGPT's decay rule on everything else, as every arm."""
@@ -238,6 +258,39 @@ ARMS: dict[str, Arm] = {
             swept="frame_lr",
         ),
         Arm(
+            "sgd",
+            "baseline: SGD with momentum on ordinary Q/K, AdamW elsewhere",
+            _EUCLID,
+            _sgd,
+            swept="frame_lr",
+            decays_qk=True,
+        ),
+        Arm(
+            "qk-norm-muon",
+            "QK-norm with torch's Muon on W_Q, W_K (nn.Linear layout), AdamW elsewhere",
+            dict(_EUCLID, qk_norm=True, qk_layout="linear"),
+            _muon,
+            swept="frame_lr",
+            decays_qk=True,
+        ),
+        Arm(
+            "qk-norm-sgd",
+            "QK-norm with SGD and momentum on W_Q, W_K, AdamW elsewhere",
+            dict(_EUCLID, qk_norm=True),
+            _sgd,
+            swept="frame_lr",
+            decays_qk=True,
+        ),
+        Arm("stiefel-muon", "manifold Muon (StiefelMuon) on Q/K frames", _FRAMES, _stiefel_muon, swept="frame_lr"),
+        Arm(
+            "landing-stiefel-adam",
+            "StiefelAdam without a retraction (the landing method) on Q/K frames",
+            _FRAMES,
+            _landing,
+            swept="frame_lr",
+            trust_region=True,
+        ),
+        Arm(
             "stiefel-adam-bounded",
             "StiefelAdam frames reading a gain-free RMS-normalised input: every logit bounded by d/sqrt(r)",
             dict(_FRAMES, qk_input_norm=True),
@@ -260,10 +313,44 @@ ARMS: dict[str, Arm] = {
             swept="frame_lr",
             trust_region=True,
         ),
+        Arm(
+            "stiefel-muon-bounded",
+            "manifold Muon on bounded frames (qk_input_norm)",
+            dict(_FRAMES, qk_input_norm=True),
+            _stiefel_muon,
+            swept="frame_lr",
+        ),
+        Arm(
+            "stiefel-sgd-bounded",
+            "fixed-step Riemannian SGD on bounded frames (qk_input_norm)",
+            dict(_FRAMES, qk_input_norm=True),
+            _stiefel("sgd"),
+            swept="frame_lr",
+        ),
     )
 }
 # The bounded-logit arms: frames whose logit is bounded by construction, and their controls.
 BOUNDED_ARMS = ("stiefel-adam-bounded", "adamw-bounded", "stiefel-adam-bounded-temp")
+# The title's question as a table: rows, the geometry of W_Q, W_K; columns, the optimizer family that steps them
+# (everything else AdamW in every cell); each cell an arm.
+FACTORIAL_GEOMETRIES = ("euclidean", "qk-norm", "frames", "bounded frames")
+FACTORIAL_OPTIMIZERS = ("adam", "muon", "sgd")
+FACTORIAL: dict[tuple[str, str], str] = {
+    ("euclidean", "adam"): "adamw",
+    ("euclidean", "muon"): "muon",
+    ("euclidean", "sgd"): "sgd",
+    ("qk-norm", "adam"): "qk-norm",
+    ("qk-norm", "muon"): "qk-norm-muon",
+    ("qk-norm", "sgd"): "qk-norm-sgd",
+    ("frames", "adam"): "stiefel-adam",
+    ("frames", "muon"): "stiefel-muon",
+    ("frames", "sgd"): "stiefel-sgd",
+    ("bounded frames", "adam"): "stiefel-adam-bounded",
+    ("bounded frames", "muon"): "stiefel-muon-bounded",
+    ("bounded frames", "sgd"): "stiefel-sgd-bounded",
+}
+# Adam-type rules on frames beside the table's: prior art and a retraction-free variant
+FRAME_ADAM_VARIANTS = ("kong-stiefel-adam", "landing-stiefel-adam")
 
 
 def arm_spec(arm: str) -> Arm:
