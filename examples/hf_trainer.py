@@ -19,7 +19,6 @@ character vocabulary has none of). Needs `pip install transformers accelerate`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -30,7 +29,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from stiefel_attention import StiefelAdam, frames, isometry_error, param_groups, stiefelize
-from stiefel_attention.bench.partial import why_unreadable
+from stiefel_attention.bench.partial import file_sha256, why_unreadable
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets" / "tinyshakespeare.txt"
 
@@ -53,14 +52,6 @@ CHECKSUMS = "checksums.json"
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class Checksums(TrainerCallback):
     """After each save, `checksums.json` in the checkpoint: the sha256 of each of its files, written last and
     atomically (the Trainer calls on_save once the checkpoint's files are all written)."""
@@ -68,7 +59,7 @@ class Checksums(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if state.is_world_process_zero and folder.is_dir():
-            sums = {f.name: _sha256(f) for f in sorted(folder.iterdir()) if f.is_file() and f.name != CHECKSUMS}
+            sums = {f.name: file_sha256(f) for f in sorted(folder.iterdir()) if f.is_file() and f.name != CHECKSUMS}
             tmp = folder / f".{CHECKSUMS}.tmp"
             tmp.write_text(json.dumps(sums, indent=1) + "\n")
             os.replace(tmp, folder / CHECKSUMS)
@@ -136,7 +127,7 @@ def checkpoint_problem(
         for name, saved in sums.items():
             if not (folder / name).is_file():
                 return f"{folder / name} is missing (its checksum is in {CHECKSUMS})"
-            found = _sha256(folder / name)
+            found = file_sha256(folder / name)
             if found != saved:
                 return f"{folder / name} has changed since it was saved (sha256 {found[:12]}, saved {saved[:12]})"
     else:

@@ -32,12 +32,21 @@ import torch
 
 from .records import atomic_write
 
-__all__ = ["Checkpoint", "checkpoint_path", "state_sha256", "why_unreadable"]
+__all__ = ["Checkpoint", "checkpoint_path", "file_sha256", "state_sha256", "why_unreadable"]
 
 
 def checkpoint_path(runs_dir: str | Path, name: str, key: str) -> Path:
     """Where the run <name>-<key> of the records in runs_dir keeps its checkpoint."""
     return Path(runs_dir) / ".partial" / f"{name}-{key}.pt"
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, read a megabyte at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def state_sha256(obj) -> str:

@@ -46,7 +46,7 @@ from .family import Family, check_data
 from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, open_arms, provisional, save_figure
 from .lm import cached_text, window_loss
 from .lock import exclusive
-from .partial import why_unreadable
+from .partial import file_sha256, why_unreadable
 from .records import Cell, atomic_write
 from .report import write_experiment
 from .stats import describe, paired_comparison
@@ -181,14 +181,6 @@ def _train_step(model, opt, sched, xb, yb) -> float:
         opt.step()
         sched.step()
     return value
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def weights_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -328,7 +320,7 @@ def run(
         "data_sha256": corpus.sha256,
         "checkpoint": {
             "file": path.name,
-            "sha256": _sha256(path),
+            "sha256": file_sha256(path),
             "weights_sha256": weights_sha256(state),
             "pretrain_s": info["train_s"],
         },
