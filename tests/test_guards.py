@@ -198,7 +198,9 @@ def test_the_start_check_runs_again_after_the_optimizers_own_load_state_dict(mon
     from stiefel_attention import optim as optim_module
 
     real = optim_module._check_start
-    monkeypatch.setattr(optim_module, "_check_start", lambda p, where: (checked.append(where), real(p, where)))
+    monkeypatch.setattr(
+        optim_module, "_check_start", lambda p, where, *tol: (checked.append(where), real(p, where, *tol))
+    )
     opt.load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="is not on the Stiefel manifold"):
         opt.step()
