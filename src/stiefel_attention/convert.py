@@ -674,8 +674,9 @@ def stiefelize(
     converted_before = _converted_weights(model)
     if converted_before:
         raise StiefelizeError(
-            f"{type(model).__name__} is already stiefelized ({_count(len(converted_before), 'weight')} with "
-            f"frames, e.g. {converted_before[0]}); nothing was converted. To convert it again (another init, "
+            f"{type(model).__name__} is already stiefelized, in part or in whole "
+            f"({_count(len(converted_before), 'weight')} with frames, e.g. {converted_before[0]}); nothing was "
+            "converted. To convert it again (another init, "
             "temperature or qk_input_norm), call unstiefelize(model) first."
         )
     found = _find(model)
