@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -698,6 +698,30 @@ def landing_stiefel_adam(
 _ADAMW_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, foreach=None, fused=None, capturable=False)
 
 
+class FrameBatch(NamedTuple):
+    """The frames of one shape in one frame group, ready for a rule's functional step: plain tensors (a DTensor's
+    local part, whole frames, or its gathered frames, which `_write_back` returns to each rank's slice)."""
+
+    group: dict
+    params: list[Tensor]  # (..., d, r) each
+    grads: list[Tensor]
+    state: tuple[list, ...]  # the rule's state items per parameter, in the order its _frame_state returns them
+    workspaces: list[Tensor]  # one scratch buffer per parameter, shaped like it (never saved)
+    names: list[str]  # for messages
+
+
+class AdamWBatch(NamedTuple):
+    """The parameters of one AdamW group with a gradient, and their state in torch.optim.AdamW's layout."""
+
+    group: dict
+    params: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    steps: list[Tensor]
+    names: list[str]
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) or (isinstance(x, Tensor) and x.numel() == 1)
 
@@ -724,11 +748,9 @@ def _check_betas_eps(betas, eps) -> None:
 class _RiemannianOptimizer(Optimizer):
     """Shared plumbing: groups by rule, one finiteness check, AdamW groups, workspaces kept out of state.
 
-    Subclasses define `_frame_state(group, p, state)` (the per-parameter items after (p, grad))
-    and `_frame_step(group, lists, fast, precomputed, keep)`.
+    Subclasses define `_frame_state(group, p, state)` (the rule's state items of one parameter) and
+    `_frame_step(batch, fast, precomputed, keep)` (the rule's functional step on one FrameBatch).
     """
-
-    _n_frame_items: int  # items per frame parameter after (p, grad), as _frame_state returns them
 
     def __init__(self, params, defaults: dict[str, Any], nonfinite: str):
         self.nonfinite = nonfinite
@@ -877,19 +899,14 @@ class _RiemannianOptimizer(Optimizer):
             )
         return p.grad
 
-    def _frame_batches(self) -> tuple[list[tuple[dict, list[list], list[str]]], list[tuple], list]:
-        """Frames with gradients grouped by shape within each frame group: (group, lists, names); the
-        write-backs of gathered DTensor frames; the device meshes of DTensor frames.
-
-        lists[0] are the frames, lists[1] their gradients, then the subclass's state items, then the
-        workspaces; all plain tensors: a DTensor's local part (whole frames) or its gathered frames, whose
-        new values `_write_back` returns to each rank's slice after the step.
-        """
+    def _frame_batches(self) -> tuple[list[FrameBatch], list[list], list]:
+        """The frames with gradients, one FrameBatch per shape within each frame group; the write-backs of gathered
+        DTensor frames; the device meshes of DTensor frames."""
         batches, write_backs, meshes = [], [], []
         for gi, group in enumerate(self.param_groups):
             if not group["stiefel"]:
                 continue
-            per_key: dict[tuple, tuple[list[list], list[str]]] = {}
+            per_shape: dict[tuple, FrameBatch] = {}
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -904,13 +921,16 @@ class _RiemannianOptimizer(Optimizer):
                         items = tuple(whole)
                     else:
                         items = tuple(t.to_local() if is_dtensor(t) else t for t in items)
-                W = items[0]
+                W, G, *state = items
                 key = (W.shape[-2], W.shape[-1], W.dtype, W.device)  # frames of one shape: one batch
-                lists, names = per_key.setdefault(key, ([[] for _ in range(3 + self._n_frame_items)], []))
-                for lst, item in zip(lists, (*items, self._workspace(p, W))):
+                batch = per_shape.setdefault(key, FrameBatch(group, [], [], tuple([] for _ in state), [], []))
+                batch.params.append(W)
+                batch.grads.append(G)
+                for lst, item in zip(batch.state, state):
                     lst.append(item)
-                names.append(name)
-            batches += [(group, lists, names) for lists, names in per_key.values()]
+                batch.workspaces.append(self._workspace(p, W))
+                batch.names.append(name)
+            batches += per_shape.values()
         return batches, write_backs, meshes
 
     @staticmethod
@@ -923,15 +943,13 @@ class _RiemannianOptimizer(Optimizer):
                 everywhere = DTensor.from_local(whole, dt.device_mesh, [Replicate()] * dt.device_mesh.ndim)
                 dt.to_local().copy_(everywhere.redistribute(dt.device_mesh, dt.placements).to_local())
 
-    def _adamw_groups(
-        self,
-    ) -> list[tuple[dict, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[str]]]:
-        """AdamW groups with their torch-layout state: (group, params, grads, exp_avgs, exp_avg_sqs, steps, names)."""
+    def _adamw_batches(self) -> list[AdamWBatch]:
+        """The AdamW groups' parameters with gradients and their torch-layout state, one AdamWBatch per group."""
         out = []
         for gi, group in enumerate(self.param_groups):
             if group["stiefel"]:
                 continue
-            lists: tuple[list, ...] = ([], [], [], [], [], [])
+            batch = AdamWBatch(group, [], [], [], [], [], [])
             on_device = group["fused"] or group["capturable"]
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -945,20 +963,14 @@ class _RiemannianOptimizer(Optimizer):
                     )
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                for lst, item in zip(
-                    lists,
-                    (
-                        p,
-                        self._grad_of(p),
-                        state["exp_avg"],
-                        state["exp_avg_sq"],
-                        state["step"],
-                        self._name(gi, i, p),
-                    ),
-                ):
-                    lst.append(item)
-            if lists[0]:
-                out.append((group, *lists))
+                batch.params.append(p)
+                batch.grads.append(self._grad_of(p))
+                batch.exp_avgs.append(state["exp_avg"])
+                batch.exp_avg_sqs.append(state["exp_avg_sq"])
+                batch.steps.append(state["step"])
+                batch.names.append(self._name(gi, i, p))
+            if batch.params:
+                out.append(batch)
         return out
 
     @torch.no_grad()
@@ -968,49 +980,51 @@ class _RiemannianOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not torch.compiler.is_compiling():
-            self._check_frames_now()
-        frame_batches, write_backs, meshes = self._frame_batches()
-        adamw_groups = self._adamw_groups()
-        for group, params, *_ in adamw_groups:
-            meshes += [p.device_mesh for p in params if is_dtensor(p) and all(p.device_mesh is not m for m in meshes)]
-        fast = [self._fast(group, lists) for group, lists, _ in frame_batches]
-        pre = [
-            _batched_tangent_sq_norms(lists[0], lists[1]) if is_fast else None
-            for (_, lists, _), is_fast in zip(frame_batches, fast)
-        ]
-        # A NaN or inf anywhere in a frame's gradient reaches its tangent norm (fast path).
-        keeps: list[list[Tensor] | None] = [None] * len(frame_batches)
-        if self.nonfinite == "raise":
-            values, names = [], []
-            for (_, lists, batch_names), p in zip(frame_batches, pre):
-                values += p[1] if p is not None else lists[1]
-                names += batch_names
-            for group, params, grads, *_, group_names in adamw_groups:
-                values += [g.to_local() if is_dtensor(g) else g for g in grads]
-                names += group_names
-            _refuse_if_non_finite(values, names, meshes)
-        else:
-            keeps = [
-                [sq.isfinite() for sq in p[1]]
-                if p is not None
-                else [g.isfinite().all(dim=(-2, -1)).reshape(-1) for g in lists[1]]
-                for (_, lists, _), p in zip(frame_batches, pre)
-            ]
-        for (group, lists, _), is_fast, p, keep in zip(frame_batches, fast, pre, keeps):
-            self._frame_step(group, lists, is_fast, p, keep)
+            self._check_frames_now()  # half-precision frames; frames written since our last step
+        frames, write_backs, meshes = self._frame_batches()  # by shape; sharded frames gathered where needed
+        adamw = self._adamw_batches()
+        meshes += [p.device_mesh for b in adamw for p in b.params if is_dtensor(p)]
+        meshes = [m for i, m in enumerate(meshes) if all(m is not n for n in meshes[:i])]
+        fast = [self._fast(b) for b in frames]
+        # (W^T G, ||P_W(G)||^2) of the fast path: a NaN or inf anywhere in a gradient reaches its tangent norm
+        pre = [_batched_tangent_sq_norms(b.params, b.grads) if f else None for b, f in zip(frames, fast)]
+        keeps = self._refuse_or_mask(frames, pre, adamw, meshes)
+        for batch, is_fast, p, keep in zip(frames, fast, pre, keeps):
+            self._frame_step(batch, is_fast, p, keep)
         if write_backs:
             self._write_back(write_backs)
-        for group, params, grads, exp_avgs, exp_avg_sqs, steps, _ in adamw_groups:
-            self._adamw_step(group, params, grads, exp_avgs, exp_avg_sqs, steps, meshes)
+        for batch in adamw:
+            self._adamw_step(batch, meshes)
         if not torch.compiler.is_compiling():
             self._remember_versions()
         return loss
 
-    def _adamw_step(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, meshes=()) -> None:
+    def _refuse_or_mask(self, frames: list[FrameBatch], pre: list, adamw: list[AdamWBatch], meshes: list) -> list:
+        """nonfinite="raise": refuse the step (one host read for everything) if any gradient is not finite, and
+        return no masks; "skip": per frame batch, which frames have finite gradients (on the device)."""
+        if self.nonfinite == "raise":
+            values, names = [], []
+            for batch, p in zip(frames, pre):
+                values += p[1] if p is not None else batch.grads
+                names += batch.names
+            for batch in adamw:
+                values += [g.to_local() if is_dtensor(g) else g for g in batch.grads]
+                names += batch.names
+            _refuse_if_non_finite(values, names, meshes)
+            return [None] * len(frames)
+        return [
+            [sq.isfinite() for sq in p[1]]
+            if p is not None
+            else [g.isfinite().all(dim=(-2, -1)).reshape(-1) for g in batch.grads]
+            for batch, p in zip(frames, pre)
+        ]
+
+    def _adamw_step(self, batch: AdamWBatch, meshes=()) -> None:
         """torch's functional AdamW on one group. In skip mode a group with a non-finite gradient keeps its
         parameters and moments, with no host synchronisation: the fused kernel skips on the device (found_inf);
         otherwise the update runs and is masked back (a copy of the group's parameters and moments per step),
         and the step count advances, as the frames' does (torch's fused kernel does not advance it)."""
+        group, params, grads, exp_avgs, exp_avg_sqs, steps, _ = batch
         found_inf, kept = None, None
         if self.nonfinite == "skip":
             bad = torch.stack([~(g.to_local() if is_dtensor(g) else g).isfinite().all() for g in grads]).any()
@@ -1049,13 +1063,13 @@ class _RiemannianOptimizer(Optimizer):
             for now, old in zip(tensors, before):
                 torch.where(bad, old, now, out=now)
 
-    def _fast(self, group: dict, lists: list[list]) -> bool:
-        return group["batched"] is not False and all(p.is_contiguous() for p in lists[0])
+    def _fast(self, batch: FrameBatch) -> bool:
+        return batch.group["batched"] is not False and all(p.is_contiguous() for p in batch.params)
 
     def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
         raise NotImplementedError
 
-    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+    def _frame_step(self, batch: FrameBatch, fast: bool, precomputed, keep) -> None:
         raise NotImplementedError
 
 
@@ -1089,8 +1103,6 @@ class StiefelAdam(_RiemannianOptimizer):
         fused: passed to torch's AdamW for AdamW groups (None: torch's choice); with
             nonfinite="skip", fused AdamW groups skip a non-finite step on the device.
     """
-
-    _n_frame_items = 3
 
     def __init__(
         self,
@@ -1132,8 +1144,9 @@ class StiefelAdam(_RiemannianOptimizer):
                 "batched=True needs projector=True and second_moment='frame'; the ablations use the reference path"
             )
 
-    def _fast(self, group: dict, lists: list[list]) -> bool:
-        return group["projector"] and group["second_moment"] == "frame" and super()._fast(group, lists)
+    def _fast(self, batch: FrameBatch) -> bool:
+        g = batch.group
+        return g["projector"] and g["second_moment"] == "frame" and super()._fast(batch)
 
     def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
         if len(state) == 0:
@@ -1150,10 +1163,14 @@ class StiefelAdam(_RiemannianOptimizer):
                 state["exp_avg_sq"] = torch.zeros(p.shape[:-2], dtype=p.dtype, device=p.device)
         return state["exp_avg"], state["exp_avg_sq"], state["step"]
 
-    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+    def _frame_step(self, batch: FrameBatch, fast: bool, precomputed, keep) -> None:
+        group = batch.group
         beta1, beta2 = group["betas"]
         stiefel_adam(
-            *lists,
+            batch.params,
+            batch.grads,
+            *batch.state,
+            batch.workspaces,
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,
@@ -1175,8 +1192,6 @@ class StiefelSGD(_RiemannianOptimizer):
     no-op on frames, as for StiefelAdam. Groups with `stiefel=False` get AdamW (betas, eps from
     the group, torch's defaults otherwise), as in StiefelAdam.
     """
-
-    _n_frame_items = 1
 
     def __init__(
         self,
@@ -1219,9 +1234,13 @@ class StiefelSGD(_RiemannianOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         return (state.get("momentum_buffer"),)
 
-    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+    def _frame_step(self, batch: FrameBatch, fast: bool, precomputed, keep) -> None:
+        group = batch.group
         stiefel_sgd(
-            *lists,
+            batch.params,
+            batch.grads,
+            *batch.state,
+            batch.workspaces,
             lr=group["lr"],
             momentum=group["momentum"],
             max_step=group["max_step"],
@@ -1252,8 +1271,6 @@ class StiefelMuon(_RiemannianOptimizer):
             last step.
         betas, eps: AdamW's, for groups with stiefel=False.
     """
-
-    _n_frame_items = 1
 
     def __init__(
         self,
@@ -1297,7 +1314,7 @@ class StiefelMuon(_RiemannianOptimizer):
         if not (isinstance(group["max_iters"], int) and group["max_iters"] >= 1):
             raise ValueError(f"invalid max_iters: {group['max_iters']!r}; a whole number >= 1")
 
-    def _fast(self, group: dict, lists: list[list]) -> bool:
+    def _fast(self, batch: FrameBatch) -> bool:
         return False  # its own batched path: no precomputed tangent norms
 
     def _frame_state(self, group: dict, p: Tensor, state: dict) -> tuple:
@@ -1310,9 +1327,13 @@ class StiefelMuon(_RiemannianOptimizer):
         self.last_gap = torch.zeros(())  # the largest duality gap over this step's frame batches
         return super().step(closure)
 
-    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+    def _frame_step(self, batch: FrameBatch, fast: bool, precomputed, keep) -> None:
+        group = batch.group
         gap = stiefel_muon(
-            *lists,
+            batch.params,
+            batch.grads,
+            *batch.state,
+            batch.workspaces,
             lr=group["lr"],
             momentum=group["momentum"],
             nesterov=group["nesterov"],
@@ -1367,10 +1388,14 @@ class LandingStiefelAdam(StiefelAdam):
                 worst = max(worst, float(torch.linalg.matrix_norm(E, 2).max()))
         return worst
 
-    def _frame_step(self, group: dict, lists: list[list], fast: bool, precomputed, keep) -> None:
+    def _frame_step(self, batch: FrameBatch, fast: bool, precomputed, keep) -> None:
+        group = batch.group
         beta1, beta2 = group["betas"]  # weight decay: a no-op on frames, not applied (its projection is zero)
         landing_stiefel_adam(
-            *lists,
+            batch.params,
+            batch.grads,
+            *batch.state,
+            batch.workspaces,
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,
