@@ -132,7 +132,19 @@ def test_ray_reports_a_run_that_keeps_failing_after_its_retries(local_ray_cluste
 
 @pytest.mark.parametrize("family", ["lm", "mqar"])
 def test_sequence_families_run_on_ray_as_locally(local_ray_cluster, tmp_path, family):
-    args = [family, "--experiment", "main", "--profile", "smoke", "--seeds", "1", "--no-progress"]
+    arms = ["adamw", "stiefel-adam"]
+    args = [
+        family,
+        "--experiment",
+        "main",
+        "--profile",
+        "smoke",
+        "--seeds",
+        "1",
+        "--arms",
+        ",".join(arms),
+        "--no-progress",
+    ]
     if family == "lm":
         corpus = tmp_path / "corpus.txt"
         corpus.write_text("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n" * 30)
@@ -140,6 +152,7 @@ def test_sequence_families_run_on_ray_as_locally(local_ray_cluster, tmp_path, fa
     assert cli.main([*args, "--executor", "ray", "--out", str(tmp_path / "ray")]) == 0
     assert cli.main([*args, "--jobs", "1", "--out", str(tmp_path / "local")]) == 0
     by_ray, by_local = _records(tmp_path / "ray"), _records(tmp_path / "local")
-    assert len(by_ray) == 10 and by_ray.keys() == by_local.keys()
+    assert sorted(rec["config"]["arm"] for rec in by_ray.values()) == sorted(arms)
+    assert by_ray.keys() == by_local.keys()
     for name, rec in by_ray.items():
         assert rec["metrics"] == by_local[name]["metrics"] and rec["curves"] == by_local[name]["curves"], name
