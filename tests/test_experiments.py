@@ -359,8 +359,11 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["cifar", "--experiment", "nonsense"])
     assert exc.value.code == 2
-    assert cli.main(["cifar", "--experiment", "main", "--profile", "smoke", "--seeds", "0"]) == 2
-    assert "--seeds must be >= 1" in capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # refused while the arguments are read
+        cli.main(["cifar", "--experiment", "main", "--profile", "smoke", "--seeds", "0"])
+    assert exc.value.code == 2
+    assert "argument --seeds: a count of seeds must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_cli_executor_ray_without_ray_says_how_to_install(tmp_path, monkeypatch, capsys):

@@ -446,6 +446,16 @@ class CifarFamily(Family):
     help = "CIFAR-10 patch benchmark experiments (paired seeds)"
     profiles = PROFILES
     experiments = EXPERIMENTS
+    experiment_help = {
+        "main": "the paper's headline: stiefel-adam against adamw at the main training-set size",
+        "scaling": "the stiefel-adam lead against the number of training images",
+        "ablation": "which part of the update rule carries the lead (projector, scalar moment, trust region)",
+        "eps": "how the frames' Adam epsilon moves the result",
+        "movement": "how far W_Q, W_K travel from their start under each optimizer",
+        "lr-sweep": "each arm's learning rates, scored on a validation split carved from train",
+        "controls": "every geometry of W_Q, W_K at its tuned rate: when does the geometry matter?",
+        "decay": "the stiefel-adam lead against weight decay (the decay-exemption explanation)",
+    }
     claimed = ("main", "scaling", "ablation", "eps", "movement")
     # the lr sweep first: it is how the profile's rates were chosen, and `movement` reads it
     reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling", "controls", "decay")

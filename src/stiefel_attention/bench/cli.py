@@ -2,8 +2,9 @@
 
     stiefel-attention certify [--json PATH] [--seed N]   float64 certification of the propositions
     stiefel-attention demo [--steps N]                   a tiny training run, adamw vs stiefel-adam
-    stiefel-attention FAMILY --experiment NAME --profile smoke|cpu|paper [--seeds N] [--out DIR] ...
-                                                         one experiment of a family (cifar, grok)
+    stiefel-attention list [FAMILY]                      families, experiments, arms, planned runs and time
+    stiefel-attention FAMILY --experiment NAME --profile smoke|cpu|paper [--seeds N|A-B|A,B] [--set K=V]
+                             [--out DIR] ...             one experiment of a family (cifar, grok, lm, ...)
     stiefel-attention reproduce --profile smoke|cpu|paper [--out DIR]   certify, every experiment, report
     stiefel-attention report [DIR]                       rebuild summaries, plots, REPORT.md
     stiefel-attention rerun RECORD...                    re-run recorded runs; are they reproduced exactly?
@@ -17,6 +18,7 @@ traceback (set STIEFEL_ATTENTION_DEBUG=1 to see the traceback).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -30,9 +32,23 @@ EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
 
 
+def _check_output_file(path: str, flag: str) -> None:
+    """Before any work: PATH can be written (its folder exists and takes files; PATH is not a folder)."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable here")
+
+
 def _cmd_certify(args: argparse.Namespace) -> int:
     from ..certify import certify, format_table, to_json
 
+    if args.json:
+        _check_output_file(args.json, "--json")
     t0 = time.perf_counter()
     results = certify(seed=args.seed)
     print(format_table(results))
@@ -83,6 +99,62 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             f"{arm:<13} steps={args.steps} loss={loss.item():.3f} train-acc={acc:.3f} "
             f"Q/K isometry error={iso:.1e} ({time.perf_counter() - t0:.1f} s)"
         )
+    return 0
+
+
+@functools.cache
+def _run_seconds(runs_dir: Path) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Each record's run time in runs_dir ({key: total_s}) and the run times of each arm."""
+    from .records import read_record
+
+    by_key: dict[str, float] = {}
+    by_arm: dict[str, list[float]] = {}
+    for path in sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else ():
+        record = read_record(path, warn=False)
+        seconds = (record or {}).get("timings", {}).get("total_s")
+        if isinstance(seconds, (int, float)):
+            by_key[record["key"]] = float(seconds)
+            by_arm.setdefault(record["config"].get("arm", ""), []).append(float(seconds))
+    return by_key, by_arm
+
+
+def _plan_line(family, experiment: str, profile: str) -> str:
+    """`list`'s line for one experiment at one profile: planned runs, how many the default folder holds, and
+    the core-hours still to run, estimated from the run times recorded there (each cell's arm's median)."""
+    import statistics
+
+    try:
+        cells = family.cells(experiment, profile)
+    except (ValueError, UserError) as err:
+        return f"{profile}: cannot plan yet ({str(err).split(': ')[0]})"
+    by_key, by_arm = _run_seconds(default_results_dir(profile) / family.name / "runs")
+    line = f"{profile}: {len(cells)} runs"
+    if not by_key:
+        return line
+    todo = [c for c in cells if c.key not in by_key]
+    everything = statistics.median(s for times in by_arm.values() for s in times)
+    rest = sum(statistics.median(by_arm.get(c.config.get("arm", ""), [everything])) for c in todo)
+    line += f", {len(cells) - len(todo)} recorded"
+    return line + (f", the rest about {rest / 3600:.1f} core-hours" if todo else "")
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    """Families, their experiments (what each answers), arms, and each experiment's planned runs per profile."""
+    families = [get_family(args.family)] if args.family else all_families()
+    for family in families:
+        print(f"{family.name}: {family.help}")
+        arms: dict[str, None] = {}
+        for experiment in family.experiments:
+            print(f"  --experiment {experiment}: {family.experiment_help.get(experiment, '')}")
+            plans = [_plan_line(family, experiment, profile) for profile in family.profiles]
+            print(f"      {'; '.join(plans)}")
+            for cell in family.cells(experiment, "cpu"):
+                arms[str(cell.config.get("arm"))] = None
+        print(f"  arms: {', '.join(arms)}\n")
+    print(
+        "Core-hours are estimated from the run times of the records in each profile's default folder (results "
+        "for cpu, results-PROFILE otherwise), one core per run; see `stiefel-attention FAMILY --help`."
+    )
     return 0
 
 
@@ -167,6 +239,57 @@ def _chosen_arms(arms: str | None, cells: list, what: str) -> list[str]:
     return chosen
 
 
+def parse_seeds(text: str) -> int | tuple[int, ...]:
+    """--seeds: a count N (seeds 0..N-1, as before), a range A-B (both ends included) or a list A,B,...;
+    ranges and lists may mix ("0-2,7"). A count is returned as an int, anything else as sorted seeds."""
+    text = text.strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise argparse.ArgumentTypeError(f"a count of seeds must be >= 1, got {text}")
+        return int(text)
+    seeds: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a count (3), a range (0-4) or a list (5,7) of seeds >= 0"
+            )
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise argparse.ArgumentTypeError(f"the range {part.strip()!r} runs backwards")
+        seeds.update(range(lo, hi + 1))
+    return tuple(sorted(seeds))
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    """--set KEY=VALUE: a dotted path into a run's config (model.d_model) and a JSON value (a bare word that
+    is not JSON is a string); family.with_data applies it."""
+    import json
+
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip() or any(not part for part in key.strip().split(".")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. steps=600, model.d_model=128)")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def _seed_cells(family, args: argparse.Namespace) -> list:
+    """The experiment's cells for --seeds: a count is the family's own; listed seeds are the cells of seeds
+    0..max whose seed is listed, so a listed seed's run is the very run (same key) a count would plan."""
+    options = family.cell_options(args)
+    if not isinstance(args.seeds, tuple):
+        return family.cells(args.experiment, args.profile, args.seeds, **options)
+    cells = family.cells(args.experiment, args.profile, 1 + max(args.seeds), **options)
+    chosen = [c for c in cells if c.config.get("seed") in args.seeds]
+    if not chosen:
+        have = sorted({c.config.get("seed") for c in cells})
+        raise UserError(f"--seeds: {family.name} {args.experiment} has no run of seeds {args.seeds} (it has {have})")
+    return chosen
+
+
 def _family_command(args: argparse.Namespace) -> int:
     """`stiefel-attention <family> --experiment NAME ...`: run the missing cells, then report."""
     from .report import load_records
@@ -175,26 +298,20 @@ def _family_command(args: argparse.Namespace) -> int:
     family = get_family(args.command)
     _check_device(args.device)
     executor = _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
-    cells = family.cells(args.experiment, args.profile, args.seeds, **family.cell_options(args))
+    cells = with_data(_seed_cells(family, args), {"settings": dict(args.set)} if args.set else {})
     chosen = _chosen_arms(args.arms, cells, f"{family.name} --experiment {args.experiment}")
     run_options = family.run_options(args)
     cells = with_data(cells, family.data_key(run_options))
     out = Path(args.out or default_results_dir(args.profile) / family.name)
     _check_folder(family, out / "runs", args.profile, run_options)
     _check_reportable(family, out, cells, f"{family.name} --experiment {args.experiment}")
-    about = family.describe(run_options)
-    print(
-        f"{family.name} {args.experiment}: {len(cells)} runs (profile {args.profile})"
-        + (f", {about}" if about else "")
-        + (f", running only {', '.join(chosen)}" if chosen else "")
-        + f", records in {out / 'runs'}"
-    )
-    if note := family.plan_note(args.experiment, args.profile):
-        print(f"note: {note}")
     # each long run says how far it is: every minute beside a bar, every 10 minutes in a log (--no-progress)
     options = {**run_options, "device": args.device, "heartbeat_s": 600.0 if args.no_progress else 60.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]
+    print(_run_count_header(family, args, out, cells, to_run, chosen, family.describe(run_options)))
+    if note := family.plan_note(args.experiment, args.profile):
+        print(f"note: {note}")
     _, failures = run_cells(
         to_run, out / "runs", executor, progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
     )
@@ -207,6 +324,22 @@ def _family_command(args: argparse.Namespace) -> int:
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _run_count_header(family, args, out: Path, cells: list, to_run: list, chosen: list[str], about: str) -> str:
+    """What this command will run: the runs selected (--arms, --seeds applied), how many of them are already
+    recorded, and what the selection leaves out of the experiment."""
+    done = sum(c.path(out / "runs").is_file() for c in to_run)
+    parts = [f"{family.name} {args.experiment}: {len(to_run)} runs (profile {args.profile})"]
+    if done:
+        parts.append(f"{done} already recorded, {len(to_run) - done} to run")
+    if about:
+        parts.append(about)
+    if chosen:
+        parts.append(f"arms {', '.join(chosen)} only (the experiment has {len(cells)} runs at these seeds)")
+    if isinstance(args.seeds, tuple):
+        parts.append(f"seeds {', '.join(map(str, args.seeds))}")
+    return ", ".join(parts) + f", records in {out / 'runs'}"
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
@@ -400,10 +533,20 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stiefel-attention")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stiefel-attention", description="Stiefel attention: library and benchmark suite."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("certify", help="certify the propositions numerically in float64")
@@ -424,14 +567,26 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("rest", nargs="*")
             p.set_defaults(func=lambda args, missing=err.name: _needs_bench(missing))
         return parser
+    p = sub.add_parser("list", help="families, their experiments (what each answers), arms, planned runs and time")
+    p.add_argument("family", nargs="?", choices=[f.name for f in families], help="only this family")
+    p.set_defaults(func=_cmd_list)
     for family in families:
         p = sub.add_parser(family.name, help=family.help)
-        p.add_argument("--experiment", required=True, choices=family.experiments)
+        p.add_argument(
+            "--experiment",
+            required=True,
+            choices=family.experiments,
+            metavar="{" + ",".join(family.experiments) + "}",
+            help="; ".join(f"{e}: {family.experiment_help.get(e, '')}" for e in family.experiments),
+        )
         p.add_argument(
             "--profile", default="cpu", choices=list(family.profiles), help="model/training size (default cpu)"
         )
         p.add_argument(
-            "--seeds", type=int, default=None, help="paired seeds 0..N-1 (default: the experiment's protocol)"
+            "--seeds",
+            type=parse_seeds,
+            default=None,
+            help="paired seeds: a count N (0..N-1), a range (0-4) or a list (5,7) (default: the experiment's protocol)",
         )
         p.add_argument(
             "--arms",
@@ -444,6 +599,16 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help=f"results folder; runs/ inside is shared by experiments (default: "
             f"results/{family.name} for the cpu profile, results-PROFILE/{family.name} otherwise)",
+        )
+        p.add_argument(
+            "--set",
+            type=parse_setting,
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="change a setting of every run (repeatable; dotted for nested keys: --set steps=600 --set "
+            "model.d_model=128): it is part of each run's config and key; a results folder of its own (--out) "
+            "keeps such runs apart from the default settings' records",
         )
         family.add_arguments(p)
         _add_run_args(p)

@@ -9,7 +9,9 @@ rows. Nothing outside a family's own module branches on its name.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +52,7 @@ class Family:
     help: str  # one line for the CLI
     profiles: dict[str, dict]  # model/training sizes: at least "smoke", "cpu", "paper"
     experiments: tuple[str, ...]  # named experiments, each a set of cells
+    experiment_help: dict[str, str] = {}  # each experiment: one line on the question it answers (CLI, `list`)
     claimed: tuple[str, ...] = ()  # experiments whose summaries carry paper claims (REPORT.md lists them)
     progress_unit: str = "step"  # what run(progress=...) counts, for the heartbeat line of a long run
     resumable: bool = False  # run(checkpoint=...) saves its state while in flight and resumes from it (partial.py)
@@ -160,17 +163,82 @@ def check_data(config: dict, default_sha256: str, sha256: str, source: str) -> N
         )
 
 
-def data_of(records) -> dict[str, str]:
-    """The data entry the records' configs share ({} for a family's default data); a folder holds one dataset."""
+def data_of(records) -> dict:
+    """What the records' configs share beyond the plan: their data entry (none for a family's default data) and
+    their settings (`--set`; none for the profile's own). A folder holds one dataset and one set of settings."""
+    records = list(records)
     shas = {r.get("config", {}).get("data_sha256") for r in records} - {None}
     if len(shas) > 1:
         raise ValueError(f"records of {len(shas)} different datasets ({', '.join(sorted(s[:12] for s in shas))}) mixed")
-    return {"data_sha256": shas.pop()} if shas else {}
+    settings = {json.dumps(r.get("config", {}).get("settings"), sort_keys=True) for r in records}
+    if len(settings) > 1:
+        raise ValueError(
+            f"records of {len(settings)} different --set settings in one folder ({'; '.join(sorted(settings))}): "
+            "keep one set of settings per results folder (--out DIR)"
+        )
+    shared = {"data_sha256": shas.pop()} if shas else {}
+    if settings and (chosen := json.loads(settings.pop())) is not None:
+        shared["settings"] = chosen
+    return shared
 
 
-def with_data(cells: list[Cell], data: dict[str, str]) -> list[Cell]:
-    """The cells with the data entry added to their configs (and so to their keys); unchanged for {}."""
-    return [Cell(c.family, c.name, {**c.config, **data}, c.options) for c in cells] if data else cells
+def _fits(old: Any, new: Any) -> bool:
+    """Whether new may replace old in a config: the same JSON type (an int where a float was; a number where
+    None was, as in an unset max_step)."""
+    if isinstance(old, bool) or isinstance(new, bool):
+        return isinstance(old, bool) and isinstance(new, bool)
+    if old is None:
+        return new is None or isinstance(new, (int, float, str))
+    if isinstance(old, float):
+        return isinstance(new, (int, float))
+    if isinstance(old, list):
+        return isinstance(new, list) and len(new) == len(old) and all(map(_fits, old, new))
+    return type(new) is type(old)
+
+
+def with_settings(name: str, config: dict, settings: dict[str, Any]) -> dict:
+    """config with each dotted key of settings set to its value, and the settings themselves recorded (so both
+    are in the key). A key the config lacks, or a value of another type, is refused naming what there is."""
+    out = copy.deepcopy(config)
+    for dotted, value in settings.items():
+        *parents, leaf = dotted.split(".")
+        where = out
+        for part in parents:
+            where = where.get(part) if isinstance(where, dict) else None
+        if not isinstance(where, dict) or leaf not in where or leaf == "settings":
+            known = sorted(
+                f"{k}.{sub}" if isinstance(v, dict) else k
+                for k, v in config.items()
+                for sub in (v if isinstance(v, dict) else [k])
+            )
+            raise ValueError(f"--set {dotted}: {name}'s config has no {dotted}; its keys are {', '.join(known)}")
+        old = where[leaf]
+        if not _fits(old, value):
+            raise ValueError(
+                f"--set {dotted}={value!r}: {name}'s {dotted} is {old!r} ({type(old).__name__}); "
+                "give a value of that type"
+            )
+        where[leaf] = float(value) if isinstance(old, float) else value
+    out["settings"] = dict(settings)
+    return out
+
+
+def with_data(cells: list[Cell], data: dict) -> list[Cell]:
+    """The cells with the data entry (and any --set settings) added to their configs, and so to their keys;
+    unchanged for {}."""
+    if not data:
+        return cells
+    data = dict(data)
+    settings = data.pop("settings", None)
+    return [
+        Cell(
+            c.family,
+            c.name,
+            with_settings(c.name, {**c.config, **data}, settings) if settings else {**c.config, **data},
+            c.options,
+        )  # fmt: skip
+        for c in cells
+    ]
 
 
 def get_family(name: str) -> Family:

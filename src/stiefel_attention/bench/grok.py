@@ -395,6 +395,14 @@ class GrokFamily(Family):
     help = "modular-arithmetic grokking experiments"
     profiles = PROFILES
     experiments = EXPERIMENTS
+    experiment_help = {
+        "single": "one run per arm of (a + b) mod p: the paper's grokking curve",
+        "study": "the paper's grokking claims over operations and paired seeds",
+        "slingshot": "the slingshot pilot: long training with the paper's unusual Adam settings",
+        "controls": "every geometry of W_Q, W_K on a + b: when does the geometry matter?",
+        "decay": "the stiefel-adam lead against weight decay",
+        "interventions": "the mechanism: interventions on the attention-logit scale, in both directions",
+    }
     claimed = ("single", "study", "slingshot")
     reproduce_order = ("single", "slingshot", "study", "controls", "decay", "interventions")
     controls_experiment = "controls"

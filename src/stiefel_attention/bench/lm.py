@@ -346,6 +346,12 @@ class LMFamily(Family):
     help = "character-level language modelling on tiny Shakespeare (or any UTF-8 text)"
     profiles = PROFILES
     experiments = EXPERIMENTS
+    experiment_help = {
+        "main": "every arm at its tuned rates, 12 paired seeds: validation loss in nats per character",
+        "lr-sweep": "each arm's learning rates, scored on held-out training text, in two stages",
+        "scaling": "the stiefel-adam lead against the training budget (steps)",
+        "lr-stability": "every arm's rates times 1/4 to 64: sensitivity and the largest attention logit",
+    }
     reproduce_order = ("lr-sweep", "main", "scaling", "lr-stability")
     controls_experiment = "main"
     mechanism_experiment = "lr-stability"

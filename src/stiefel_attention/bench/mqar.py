@@ -266,6 +266,11 @@ class MQARFamily(Family):
     help = "multi-query associative recall (Zoology's MQAR), generated in memory"
     profiles = PROFILES
     experiments = EXPERIMENTS
+    experiment_help = {
+        "main": "every arm at its tuned rates, 12 paired seeds: steps to 99% recall on the test set",
+        "lr-sweep": "each arm's learning rates, scored on a validation set, in two stages",
+        "difficulty": "the stiefel-adam lead against the number of key-value pairs",
+    }
     reproduce_order = ("lr-sweep", "difficulty", "main")
     controls_experiment = "main"
 

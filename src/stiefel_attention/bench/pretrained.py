@@ -587,6 +587,9 @@ class PretrainedFamily(Family):
     help = "pretrain small transformers GPT-2 and Llama models, convert them with stiefelize, fine-tune, compare"
     profiles = PROFILES
     experiments = EXPERIMENTS
+    experiment_help = {
+        "main": "what converting a pretrained GPT-2 / Llama to frames costs, and how fast fine-tuning wins it back",
+    }
     claimed = ("main",)
     default_data_sha256 = DEFAULT_TEXT_SHA256
 
