@@ -374,3 +374,27 @@ def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path,
     muon = json.loads((tmp_path / "wide" / "grok" / "controls" / "summary.json").read_text())
     muon["controls"]["measure"] = {**muon["controls"]["measure"], "name": "something else"}
     assert geometry.across_profiles_plot(early, "y.png", "grokking", mine, muon) is None  # not comparable: no plot
+
+
+def test_the_high_learning_rate_section_answers_the_bounded_logit_questions_with_the_largest_logit_and_bound(tmp_path):
+    import json
+
+    from stiefel_attention.bench.geometry import mechanism_section
+
+    (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
+    bounded = {
+        "verdict": {"qk-norm": "yes: as stable as qk-norm", "frames": "yes: less sensitive", "needs frames": "no"},
+        "bounds": {"stiefel-adam-bounded": 16.0, "adamw-bounded": 16.0},
+        "largest": {"stiefel-adam-bounded": 9.25, "adamw-bounded": 31.5},
+    }
+    stability = {
+        "labels": ["adamw"], "sensitivity": {"adamw": {"mean": 0.5}}, "sensitivity_vs_adamw": [],
+        "precondition": {"met": True, "text": "adamw's logits grow"}, "verdict": "partly", "bounded": bounded,
+    }  # fmt: skip
+    (tmp_path / "lm" / "lr-stability" / "summary.json").write_text(json.dumps({"stability": stability}))
+    lines = mechanism_section(tmp_path, [("lm", "char LM", "lr-stability")])
+    assert lines[0].endswith("does bounding the whole logit buy qk-norm's stability? yes: as stable as qk-norm.")
+    assert "- Does the bound buy qk-norm's stability? **yes: as stable as qk-norm**." in lines
+    assert "- Does it need the frames? **no**." in lines
+    largest = "adamw-bounded 31.5 (bound 16.0); stiefel-adam-bounded 9.2 (bound 16.0)"
+    assert f"- The largest attention logit over every multiplier, against the bound: {largest}." in lines

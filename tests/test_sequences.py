@@ -398,7 +398,7 @@ def test_the_bounded_arms_are_compared_with_qk_norm_the_plain_frames_and_the_nor
     summary = stability_summary(recs)
     bounded = summary["bounded"]
     assert bounded["top_multipliers"] == ["16", "64"]
-    assert bounded["bounds"] == {"stiefel-adam-bounded": pytest.approx(16.0)}
+    assert bounded["bounds"] == {"stiefel-adam-bounded": pytest.approx(16.0), "adamw-bounded": None}
     assert bounded["largest"]["stiefel-adam-bounded"] == 640.0  # the fake records' logits are not bounded
     pairs = {(p["arm"], p["baseline"]): p for p in bounded["pairs"]}
     assert set(pairs) == {
@@ -413,6 +413,7 @@ def test_the_bounded_arms_are_compared_with_qk_norm_the_plain_frames_and_the_nor
     assert v["frames"].startswith("yes: bounding the whole logit makes the frames significantly less sensitive")
     assert v["needs frames"].startswith("yes: the same norm on ordinary W_Q, W_K is significantly more sensitive")
     md = "\n".join(stability_markdown(summary))
+    assert "| adamw-bounded | none | 640.000 | n/a |" in md
     assert "| stiefel-adam-bounded | 16.000 | 640.000 | 40.000 |" in md and "Does it need the frames? **yes" in md
     # without the bounded arms the summary is what it was
     assert "bounded" not in stability_summary([r for r in recs if "bounded" not in r["config"]["arm"]])

@@ -597,6 +597,11 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
                 f"high-learning-rate stability? **{found['verdict']}**.",
                 "",
             ]
+            if bounded := found.get("bounded"):
+                answers.append(
+                    f"does bounding the whole logit buy qk-norm's stability? {bounded['verdict']['qk-norm']}"
+                )
+                lines += _bounded_lines(bounded)
             if "lr_stability.png" in summary.get("plots", []):
                 lines += [
                     f"![loss and largest attention logit against the learning rate]({where}/lr_stability.png)",
@@ -605,6 +610,26 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
     if not answers:
         return lines
     return ["The mechanism in one paragraph, from the computed verdicts below: " + "; ".join(answers) + ".", "", *lines]
+
+
+def _bounded_lines(bounded: dict) -> list[str]:
+    """REPORT's answers for the bounded-logit arms (seq_report._bounded_summary): three computed verdicts and the
+    largest logit of each against its bound by construction."""
+    verdict = bounded["verdict"]
+    largest = "; ".join(
+        f"{label} {bounded['largest'][label]:.1f} ({'no bound' if bound is None else f'bound {bound:.1f}'})"
+        for label, bound in sorted(bounded["bounds"].items())
+    )
+    return [
+        "Frames whose logit is bounded by construction (`qk_input_norm`: the query and key projections read their "
+        "input through an RMS norm without a gain, so |logit| <= max_temperature x d_model / sqrt(head_dim)):",
+        "",
+        f"- Does the bound buy qk-norm's stability? **{verdict['qk-norm']}**.",
+        f"- Does it make the frames more stable? **{verdict['frames']}**.",
+        f"- Does it need the frames? **{verdict['needs frames']}**.",
+        f"- The largest attention logit over every multiplier, against the bound: {largest or 'not measured'}.",
+        "",
+    ]
 
 
 def verdicts_by_testbed(results_dir: Path, testbeds: list[tuple[str, str, str | None, str | None]]) -> list[tuple]:

@@ -234,9 +234,8 @@ def _bounded_summary(records, table, sens, points, multipliers) -> dict:
             pairs.append(row)
     bounds = {}
     for rec in records:
-        bound = logit_bound(rec["config"])
-        if bound is not None:
-            bounds[_stability_label(rec["config"])] = bound
+        if rec["config"]["arm"] in BOUNDED_ARMS:
+            bounds[_stability_label(rec["config"])] = logit_bound(rec["config"])  # None: no bound (adamw-bounded)
     largest = {arm: max((p["max_attention_logit"] or 0.0) for p in points[arm].values()) for arm in bounds}
     return {"top_multipliers": [f"{m:g}" for m in top], "pairs": pairs, "bounds": bounds, "largest": largest,
             "verdict": _bounded_verdict(pairs)}  # fmt: skip
@@ -418,7 +417,8 @@ def bounded_markdown(bounded: dict) -> list[str]:
     lines += ["| run | bound | largest logit | largest / bound |", "|---|---|---|---|"]
     for arm, bound in sorted(bounded["bounds"].items()):
         top = bounded["largest"][arm]
-        lines.append(f"| {arm} | {fmt_num(bound, 3)} | {fmt_num(top, 3)} | {top / bound:.3f} |")
+        ratio = "n/a" if bound is None else f"{top / bound:.3f}"
+        lines.append(f"| {arm} | {'none' if bound is None else fmt_num(bound, 3)} | {fmt_num(top, 3)} | {ratio} |")
     v = bounded["verdict"]
     lines += [
         "",
