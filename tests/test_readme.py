@@ -39,3 +39,55 @@ def test_ci_runs_the_readme_test_command():
     assert "<!-- test-command -->" in README and "test-command" in ci
     command = README.split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
     assert "pytest" in command and "torch==" in command
+
+
+def test_the_findings_block_is_what_the_committed_summaries_say():
+    """README's "What we found" is computed from results/ (report --readme), so it cannot drift from them."""
+    from stiefel_attention.bench.report import FINDINGS_END, FINDINGS_START, findings_lines
+
+    root = Path(__file__).resolve().parents[1]
+    block = README.split(FINDINGS_START + "\n", 1)[1].split("\n" + FINDINGS_END, 1)[0]
+    assert block.splitlines() == findings_lines(root / "results", "results"), (
+        "README.md's findings are out of date: stiefel-attention report results --beside results-paper "
+        "--readme README.md"
+    )
+    assert "[cifar/main](results/cifar/main/summary.md)" in block  # the headline claim, linked from the README
+
+
+@pytest.mark.parametrize(
+    ("said", "kind"),
+    [
+        ("does not replicate: no significant difference by both tests", "not"),
+        ("**does not replicate: significant effect of the opposite sign**", "not"),
+        ("direction replicates, size does not: paper +1.97 pp outside the 95% CI", "direction"),
+        ("replicates: no significant difference", "replicates"),
+        ("ordering replicates (one seed, no test; the study is the test)", "replicates"),
+        ("untestable here: neither arm reaches 95%", "other"),
+        ("measured only: the paper gives no number at this n", "other"),
+        ("stable grokking does not replicate, the ordering does", "other"),
+    ],
+)
+def test_each_verdict_is_counted_as_what_it_says(said, kind):
+    from stiefel_attention.bench.report import verdict_kind
+
+    assert verdict_kind(said) == kind
+
+
+def test_the_findings_go_only_between_the_markers(tmp_path):
+    from stiefel_attention.bench.errors import UserError
+    from stiefel_attention.bench.report import FINDINGS_END, FINDINGS_START, write_findings
+
+    root = Path(__file__).resolve().parents[1]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{FINDINGS_START}\nold\n{FINDINGS_END}\nafter\n")
+    write_findings(readme, root / "results")
+    text = readme.read_text()
+    assert text.startswith(f"# title\n\nbefore\n{FINDINGS_START}\nOf the paper's claims") and "\nold\n" not in text
+    assert text.endswith(f"\n{FINDINGS_END}\nafter\n")
+    import os
+
+    prefix = Path(os.path.relpath(root / "results", tmp_path)).as_posix()
+    assert f"[the claims table]({prefix}/REPORT.md)" in text  # links are relative to the README's folder
+    readme.write_text("# no markers\n")
+    with pytest.raises(UserError, match="no <!-- findings:start -->"):
+        write_findings(readme, root / "results")

@@ -489,6 +489,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise UserError(f"--beside {other}: expected another results folder (e.g. results), next to {args.dir}")
     for path in rebuild_all(where, args.beside, args.leave_out_unplanned):
         print(f"wrote {path}")
+    if args.readme:
+        from .report import write_findings
+
+        print(f"wrote {write_findings(args.readme, where)} (its findings block)")
     return 0
 
 
@@ -652,6 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="another profile's results folder (repeatable): REPORT.md's 'When does the geometry dominate?' sets its "
         "rows beside this folder's and compares each standing (its summaries are read, not rebuilt)",
+    )
+    p.add_argument(
+        "--readme",
+        metavar="PATH",
+        help="also write what was found, computed from the summaries, between PATH's findings markers "
+        "(README.md's block)",
     )
     _add_leave_out(p)
     p.set_defaults(func=_cmd_report)

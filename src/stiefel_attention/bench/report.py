@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -335,3 +336,83 @@ def comparison_rows(s: dict, link: str, prof: str) -> list[tuple[str, ...]]:
             said = provisional(said, open_arms(s, (c["arm"], c["baseline"])), c["supported"])
         rows.append((link, prof, f"{name}: {c['text']}", fmt_comparison(c), said))
     return rows
+
+
+# --- the README's "what we found" block --------------------------------------------------------------------------
+FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
+# The claims the README names one by one: (experiment folder, the start of its claim text).
+HEADLINE_CLAIMS = (("cifar/main", "stiefel-adam vs adamw"), ("grok/single", ""), ("grok/study", "op +"))
+
+
+def verdict_kind(verdict_text: str) -> str:
+    """A claim's verdict in one word: 'replicates', 'direction' (direction replicates, size does not), 'not'
+    (does not replicate) or 'other' (untestable, measured only, a partial answer, not decided yet)."""
+    text = verdict_text.lstrip("*").lower()
+    if text.startswith("does not replicate"):
+        return "not"
+    if text.startswith("direction replicates"):
+        return "direction"
+    if text.startswith(("replicates", "ordering replicates")):
+        return "replicates"
+    return "other"
+
+
+def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str]:
+    """The README's block of what was found, computed from the summaries under results_dir (links start with
+    prefix, the folder as the README sees it): the claims tallied by verdict, the headline claims, each
+    testbed's answer to "when does the geometry dominate?" and the mechanism."""
+    results_dir = Path(results_dir)
+    rows = [r for r in claim_rows(results_dir) if r[4] != "—"]
+    paper = [r for r in rows if not r[2].startswith("(not the paper's")]
+    kinds = [verdict_kind(r[4]) for r in paper]
+    report = f"{prefix}/REPORT.md"
+    lines = [
+        f"Of the paper's claims measured here ({len(paper)} rows of [the claims table]({report}), "
+        f"profile {', '.join(sorted({r[1] for r in paper})) or '?'}): {kinds.count('replicates')} replicate, "
+        f"{kinds.count('direction')} replicate in direction but not in size, {kinds.count('not')} do not replicate, "
+        f"{kinds.count('other')} are untestable here or measured only.",
+        "",
+    ]
+    for folder, start in HEADLINE_CLAIMS:
+        for link, _, claim, measured, said, _ in rows:
+            if link.startswith(f"[{folder}]") and claim.startswith(start):
+                where = link.replace("](", f"]({prefix}/", 1)
+                lines.append(f"- {where}: {claim} — measured {measured}: **{said}**")
+                break
+    for link, _, claim, _, said, _ in rows:
+        if claim.startswith("(not the paper's"):
+            where = link.replace("](", f"]({prefix}/", 1)
+            lines.append(f"- {where}: {claim.split(') ', 1)[-1]}: **{said}**")
+    testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
+    anchor = f"{report}#when-does-the-geometry-dominate"
+    for title, said in verdicts_by_testbed(results_dir, testbeds):
+        clauses = [c for c in said.split("; ") if not c.startswith("mechanism:")]
+        lines.append(f"- [When does the geometry dominate?]({anchor}) {title}: {'; '.join(clauses[:4])}")
+    mechanism = mechanism_section(results_dir, [(f.name, f.title, f.mechanism_experiment) for f in all_families()])
+    if mechanism:
+        answers = mechanism[0].split(": ", 1)[-1]
+        lines.append(f"- [The mechanism]({anchor.split('#')[0]}#the-mechanism-by-intervention-{_slug(mechanism)}): "
+                     f"{answers}")  # fmt: skip
+    return lines
+
+
+def _slug(mechanism: list[str]) -> str:
+    """The GitHub anchor's tail of the first "### The mechanism, by intervention: TITLE" heading."""
+    heading = next((ln for ln in mechanism if ln.startswith("### The mechanism, by intervention: ")), "")
+    title = heading.split(": ", 1)[-1].lower()
+    return "".join(ch if ch.isalnum() or ch in " -" else "" for ch in title).replace(" ", "-")
+
+
+def write_findings(readme: str | Path, results_dir: str | Path) -> Path:
+    """Put findings_lines(results_dir) between the README's findings markers (refused without them)."""
+    readme = Path(readme)
+    text = readme.read_text()
+    if FINDINGS_START not in text or FINDINGS_END not in text:
+        raise UserError(f"{readme} has no {FINDINGS_START} ... {FINDINGS_END} block to write the findings into")
+    prefix = Path(os.path.relpath(Path(results_dir).resolve(), readme.resolve().parent)).as_posix()
+    head, rest = text.split(FINDINGS_START, 1)
+    tail = rest.split(FINDINGS_END, 1)[1]
+    readme.write_text(
+        f"{head}{FINDINGS_START}\n" + "\n".join(findings_lines(results_dir, prefix)) + f"\n{FINDINGS_END}{tail}"
+    )
+    return readme
