@@ -145,3 +145,21 @@ def test_certify_refuses_a_json_path_it_cannot_write_before_it_certifies(tmp_pat
     assert f"the folder {missing.parent} does not exist" in capsys.readouterr().err
     assert cli.main(["certify", "--json", str(tmp_path)]) == cli.EXIT_USAGE
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_demo_takes_a_seed_and_a_device_and_ends_with_what_the_two_arms_show(capsys):
+    assert cli.main(["demo", "--steps", "2", "--seed", "3", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("adamw ") and lines[1].startswith("stiefel-adam ") and "on cpu)" in lines[1]
+    assert lines[2].startswith("In short: stiefel-adam's W_Q, W_K stay orthonormal (isometry error ")
+    assert cli.main(["demo", "--steps", "2", "--device", "no-such-device"]) == cli.EXIT_USAGE
+    assert "--device 'no-such-device' cannot be used here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("adamw", "stiefel", "words"),
+    [((0.5, 2.0), (0.6, 1e-6), "is ahead of adamw's (0.600 vs 0.500"), ((0.5, 2.0), (0.49, 1e-6), "is level with"),
+     ((0.5, 2.0), (0.3, 1e-6), "is behind adamw's"), ((0.5, 2.0), (0.5, 0.3), "left the manifold")],
+)  # fmt: skip
+def test_the_demo_conclusion_says_what_was_seen(adamw, stiefel, words):
+    assert words in cli.demo_conclusion({"adamw": adamw, "stiefel-adam": stiefel}, 60)
