@@ -33,12 +33,13 @@ def batches(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator):
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(DEFAULT_TEXT), help="a UTF-8 text file (default: tiny Shakespeare)")
+    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="a UTF-8 text file (default: tiny Shakespeare)")
+    ap.add_argument("--data", dest="text", help=argparse.SUPPRESS)  # the old name of --text
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--smoke", action="store_true", help="a tiny model and context, for a quick check")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    text = Path(args.data).read_text(encoding="utf-8")
+    text = Path(args.text).read_text(encoding="utf-8")
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
     ids = torch.tensor([index[c] for c in text])

@@ -163,3 +163,15 @@ def test_demo_takes_a_seed_and_a_device_and_ends_with_what_the_two_arms_show(cap
 )  # fmt: skip
 def test_the_demo_conclusion_says_what_was_seen(adamw, stiefel, words):
     assert words in cli.demo_conclusion({"adamw": adamw, "stiefel-adam": stiefel}, 60)
+
+
+@pytest.mark.parametrize("family", ["lm", "pretrained"])
+def test_the_text_corpus_is_named_text_and_the_old_name_still_reads_it(family, capsys):
+    parser = cli.build_parser()
+    argv = [family, "--experiment", "main"]
+    assert parser.parse_args([*argv, "--text", "a.txt"]).text == "a.txt"
+    assert parser.parse_args([*argv, "--data", "b.txt"]).text == "b.txt"
+    with pytest.raises(SystemExit):
+        parser.parse_args([family, "--help"])
+    shown = capsys.readouterr().out
+    assert "--text TEXT" in shown and "--data" not in shown

@@ -21,7 +21,7 @@ def test_hf_gpt2_char_example(tmp_path):
     pytest.importorskip("transformers")
     text = tmp_path / "corpus.txt"
     text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 30)
-    result = _load("hf_gpt2_char").main(["--data", str(text), "--steps", "30", "--smoke"])
+    result = _load("hf_gpt2_char").main(["--text", str(text), "--steps", "30", "--smoke"])
     assert result["isometry"] < 1e-5 and result["val_loss"] < 3.0  # below the uniform 3.3 nats of ~27 characters
 
 
@@ -59,7 +59,7 @@ def test_the_hf_example_configs_carry_no_warning_to_ignore(tmp_path):
     pytest.importorskip("transformers")
     text = tmp_path / "corpus.txt"
     text.write_text("To be, or not to be, that is the question:\n" * 40)
-    cmd = [sys.executable, str(EXAMPLES / "hf_gpt2_char.py"), "--data", str(text), "--steps", "2", "--smoke"]
+    cmd = [sys.executable, str(EXAMPLES / "hf_gpt2_char.py"), "--text", str(text), "--steps", "2", "--smoke"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # as a user runs it, in a fresh process
     assert done.returncode == 0, done.stderr[-2000:]
     assert "token_id" not in done.stderr + done.stdout, done.stderr

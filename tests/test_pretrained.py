@@ -33,7 +33,7 @@ def _records(out):
 
 def test_smoke_experiment_shares_one_checkpoint_per_model_and_records_the_conversion(tmp_path, text, capsys):
     out, ck = tmp_path / "out", tmp_path / "ck"
-    argv = smoke_args("pretrained", "main", out, "--seeds", "1", "--data", text, "--checkpoints", str(ck))
+    argv = smoke_args("pretrained", "main", out, "--seeds", "1", "--text", text, "--checkpoints", str(ck))
     assert cli.main(argv) == 0
     recs = _records(out)
     assert len(recs) == len(P.MODELS) * len(P.ARMS)

@@ -148,7 +148,7 @@ def test_sequence_families_run_on_ray_as_locally(local_ray_cluster, tmp_path, fa
     if family == "lm":
         corpus = tmp_path / "corpus.txt"
         corpus.write_text("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n" * 30)
-        args += ["--data", str(corpus)]
+        args += ["--text", str(corpus)]
     assert cli.main([*args, "--executor", "ray", "--out", str(tmp_path / "ray")]) == 0
     assert cli.main([*args, "--jobs", "1", "--out", str(tmp_path / "local")]) == 0
     by_ray, by_local = _records(tmp_path / "ray"), _records(tmp_path / "local")

@@ -53,7 +53,7 @@ def _text(tmp_path: Path, name: str, line: str, repeat: int = 60) -> Path:
 
 
 def _lm_args(out: Path, text: Path, *extra: str) -> list[str]:
-    return smoke_args("lm", "main", out, "--data", str(text), "--seeds", "1", "--arms", "adamw", *extra)
+    return smoke_args("lm", "main", out, "--text", str(text), "--seeds", "1", "--arms", "adamw", *extra)
 
 
 def _grok_cell(seed: int = 0, epochs: int = 2) -> Cell:

@@ -52,7 +52,7 @@ def test_bad_text_paths_are_one_clear_error(tmp_path, content, match):
 
 
 def test_cli_bad_text_path_is_one_line(tmp_path, capsys):
-    args = ["lm", "--experiment", "main", "--profile", "smoke", "--data", str(tmp_path / "none.txt")]
+    args = ["lm", "--experiment", "main", "--profile", "smoke", "--text", str(tmp_path / "none.txt")]
     rc = cli.main([*args, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 2 and "is not a file" in err and "Traceback" not in err
@@ -195,7 +195,7 @@ def test_a_frame_arm_trains_its_other_parameters_at_adamws_chosen_lr(monkeypatch
 @pytest.mark.parametrize("family", ["lm", "mqar"])
 def test_cli_smoke_main_writes_records_and_a_summary(family, corpus_file, tmp_path):
     args = [family, "--experiment", "main", "--profile", "smoke", "--out", str(tmp_path), "--jobs", "1"]
-    args += ["--no-progress", *(["--data", str(corpus_file)] if family == "lm" else [])]
+    args += ["--no-progress", *(["--text", str(corpus_file)] if family == "lm" else [])]
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "main" / "summary.json").read_text())
     arms = {"lm": lm, "mqar": mqar}[family].MAIN_ARMS  # smoke: two seeds of every main arm

@@ -513,7 +513,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise UserError(f"--beside {other}: expected another results folder (e.g. results), next to {args.dir}")
     for path in rebuild_all(where, args.beside, args.leave_out_unplanned):
         print(f"wrote {path}")
-    if args.readme:
+    if getattr(args, "readme", None):  # reproduce's report writes no README
         from .report import write_findings
 
         print(f"wrote {write_findings(args.readme, where)} (its findings block)")

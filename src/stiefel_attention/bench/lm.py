@@ -13,6 +13,7 @@ Chosen rates are entered in PROFILES[...]["tuned"].
 
 from __future__ import annotations
 
+import argparse
 import copy
 import hashlib
 import math
@@ -358,11 +359,12 @@ class LMFamily(Family):
     default_data_sha256 = DEFAULT_TEXT_SHA256
 
     def add_arguments(self, parser) -> None:
-        self.add_reproduce_arguments(parser, "--data")
+        self.add_reproduce_arguments(parser)
+        parser.add_argument("--data", dest="text", default=None, help=argparse.SUPPRESS)  # the old name of --text
 
-    def add_reproduce_arguments(self, parser, flag: str = "--text") -> None:
+    def add_reproduce_arguments(self, parser) -> None:
         parser.add_argument(
-            flag,
+            "--text",
             dest="text",
             default=None,
             help="UTF-8 text corpus (default: $STIEFEL_ATTENTION_TEXT, "
@@ -370,7 +372,7 @@ class LMFamily(Family):
         )
 
     def forward_arguments(self, args) -> list[str]:
-        return ["--data", args.text] if getattr(args, "text", None) else []
+        return ["--text", args.text] if getattr(args, "text", None) else []
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
         return cells(experiment, profile, default_seeds(DEFAULT_SEEDS, experiment, profile) if seeds is None else seeds)

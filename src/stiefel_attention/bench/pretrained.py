@@ -24,6 +24,7 @@ loss, and the final loss. Fine-tuning rates were fixed before any run, not tuned
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -595,7 +596,8 @@ class PretrainedFamily(Family):
 
     def add_arguments(self, parser) -> None:
         self.add_reproduce_arguments(parser)
-        parser.add_argument("--data", dest="text", default=None, help="UTF-8 text corpus (default: as lm's)")
+        parser.add_argument("--text", dest="text", default=None, help="UTF-8 text corpus (default: as lm's)")
+        parser.add_argument("--data", dest="text", default=None, help=argparse.SUPPRESS)  # the old name of --text
 
     def add_reproduce_arguments(self, parser) -> None:  # the text comes from lm's --text there
         parser.add_argument(
@@ -607,7 +609,7 @@ class PretrainedFamily(Family):
 
     def forward_arguments(self, args) -> list[str]:
         out = ["--checkpoints", args.checkpoints] if getattr(args, "checkpoints", None) else []
-        return out + (["--data", args.text] if getattr(args, "text", None) else [])
+        return out + (["--text", args.text] if getattr(args, "text", None) else [])
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
         return cells(

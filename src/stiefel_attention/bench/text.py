@@ -1,7 +1,7 @@
 """Character-level text for the language-model testbed: one UTF-8 file, a character vocabulary, a split.
 
 The default corpus is tiny Shakespeare (`../shared/datasets/tinyshakespeare.txt`; provenance and
-sha256 in ../shared/datasets/README.md); any UTF-8 text file can stand in (`--data PATH` or
+sha256 in ../shared/datasets/README.md); any UTF-8 text file can stand in (`--text PATH` or
 $STIEFEL_ATTENTION_TEXT). The first 90% of the characters train, the last 10% validate.
 """
 
@@ -36,7 +36,7 @@ DEFAULT_TEXT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2
 TRAIN_FRACTION = 0.9
 _EXPECTED = (
     "expected a UTF-8 text file, e.g. tiny Shakespeare (the char-rnn / nanoGPT corpus, 1,115,394 "
-    f"characters); pass --data PATH, set {ENV_TEXT}=PATH, or put it at "
+    f"characters); pass --text PATH, set {ENV_TEXT}=PATH, or put it at "
     f"{' or '.join(DEFAULT_TEXT_CANDIDATES)}"
 )
 
