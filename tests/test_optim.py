@@ -1168,10 +1168,11 @@ def test_skip_mode_with_max_step_steps_without_host_syncs(tiny_model, token_batc
 
 @pytest.mark.parametrize("cls", ["adam", "sgd", "sgd-nomomentum"])
 @pytest.mark.parametrize("batched", [None, False])
-@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), 1e200])
 def test_skip_mode_leaves_a_bad_frame_and_its_moments_untouched(cls, batched, bad_value):
-    """Frame 1 of a (3, 6, 3) tensor gets a non-finite gradient at step 4: it and its moments stay as they
-    were; every other frame steps exactly as in a run where frame 1's gradient was finite."""
+    """Frame 1 of a (3, 6, 3) tensor gets a non-finite gradient at step 4 (or a finite one whose squared norm
+    overflows: 1e200 in these float64 frames): it and its moments stay as they were; every other frame steps exactly as in a run
+    where frame 1's gradient was finite."""
     shape = [(3, 6, 3)]
     params0 = make_params(shape, seed=0)
     grads = grad_seq(shape, 8, seed=1)
@@ -1323,3 +1324,18 @@ def test_the_whole_skip_mode_step_compiles_and_equals_the_eager_step(tiny_model,
         assert reads == [], reads
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("batched", [None, False])
+def test_a_gradient_whose_squared_norm_overflows_is_refused_by_both_paths(batched):
+    """Finite entries (1e200 in float64) whose squared norm is infinite would make the second moment infinite
+    and freeze the frame for good: both paths refuse the step before writing, naming it non-finite."""
+    params = make_params([(2, 6, 3)], seed=0)
+    grads = grad_seq([(2, 6, 3)], 1, seed=1)
+    grads[0][0][1, 0, 0] = 1e200
+    opt = StiefelAdam(params, lr=0.05, max_step=0.1, batched=batched)
+    before = params[0].detach().clone()
+    with pytest.raises(NonFiniteGradientError):
+        run(opt, params, grads)
+    assert torch.equal(params[0], before)
+    assert all(float(v.abs().max()) == 0.0 for v in opt.state[params[0]].values())  # nothing written

@@ -306,16 +306,22 @@ def stiefel_adam(
 
 
 def _tangent_or_refuse(params, grads, weight_decay: float, projector: bool, keep) -> list[Tensor]:
-    """Reference path, phase 1: every (projected) gradient; refuse before writing unless skipping."""
+    """Reference path, phase 1: every (projected) gradient; refuse before writing unless skipping. A gradient is
+    usable when its squared norm per frame is finite, as the batched path judges it (a finite gradient whose
+    squared norm overflows would make the second moment infinite): refused, or in skip mode masked in keep."""
     tangent = []
     for W, G in zip(params, grads):
         if weight_decay != 0.0:
             G = G + weight_decay * W
         tangent.append(project_tangent(W, G) if projector else G)
+    usable = [g.square().sum(dim=(-2, -1)).isfinite().reshape(-1) for g in tangent]
     if keep is None:
-        bad = [f"frame parameter {i} of this group" for i, g in enumerate(tangent) if not bool(torch.isfinite(g).all())]
+        bad = [f"frame parameter {i} of this group" for i, ok in enumerate(usable) if not bool(ok.all())]
         if bad:
             raise _non_finite_error(bad)
+    else:
+        for k, ok in zip(keep, usable):
+            k &= ok
     return tangent
 
 
