@@ -1,7 +1,8 @@
 """The optimizer step under FSDP2 with 1, 2 and 4 processes (gloo, CPU): StiefelAdam against AdamW side by side,
 and the bytes each rank hands to collectives during the step.
 
-    python benchmarks/distributed_step.py [--worlds 1,2,4] [--repeats 10] [--json out.json] [--readme README.md]
+    python benchmarks/distributed_step.py [--worlds 1,2,4] [--repeats 10] [--json out.json]
+        [--readme docs/performance.md]
 
 Model: 4 blocks of width 256, 8 heads of 32 (frames: 8 tensors of 8 frames of St(256, 32)); every block and the
 root fully_shard-ed, frames split by heads (Shard(0)), or along d_model (Shard(1), `--shard1`). The step is timed

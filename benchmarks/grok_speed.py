@@ -1,6 +1,7 @@
 """Full-batch training steps per second of the grokking profiles, both arms, one thread each.
 
-    python benchmarks/grok_speed.py [--epochs 60] [--json benchmarks/results/grok_speed.json] [--readme README.md]
+    python benchmarks/grok_speed.py [--epochs 60] [--json benchmarks/results/grok_speed.json]
+        [--readme docs/performance.md]
 
 The `cpu` profile must finish 20,000 epochs in at most 15 minutes when two runs share this
 2-core machine (one thread each); this prints the measured rate and that projection for the

@@ -1,10 +1,10 @@
 """Time one optimizer step on ViT-B-shaped W_Q, W_K frames, side by side, and the end-to-end
 training-step overhead of the stiefel-adam arm over the adamw arm on the default PatchViT.
 
-    python benchmarks/optimizer_step.py [--repeats 15] [--threads N] [--json out.json] [--readme README.md]
+    python benchmarks/optimizer_step.py [--repeats 15] [--threads N] [--json out.json] [--readme docs/performance.md]
 
 With --readme, the measured table replaces the block between the benchmark markers in that file,
-so the README shows exactly what the last committed run printed.
+so the performance page shows exactly what the last committed run printed.
 
 Step benchmark: 12 layers x (W_Q, W_K), each 12 heads of St(768, 64).
 - StiefelAdam: 24 frame tensors of shape (12, 768, 64), trust region on and off;

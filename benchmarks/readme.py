@@ -1,5 +1,5 @@
-"""Write a benchmark's measured table into the README, between a pair of markers, so the README
-shows exactly what the last committed run printed."""
+"""Write a benchmark's measured table into a markdown page (docs/performance.md), between a pair of markers,
+so the page shows exactly what the last committed run printed."""
 
 from __future__ import annotations
 

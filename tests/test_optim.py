@@ -1171,8 +1171,8 @@ def test_skip_mode_with_max_step_steps_without_host_syncs(tiny_model, token_batc
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), 1e200])
 def test_skip_mode_leaves_a_bad_frame_and_its_moments_untouched(cls, batched, bad_value):
     """Frame 1 of a (3, 6, 3) tensor gets a non-finite gradient at step 4 (or a finite one whose squared norm
-    overflows: 1e200 in these float64 frames): it and its moments stay as they were; every other frame steps exactly as in a run
-    where frame 1's gradient was finite."""
+    overflows: 1e200 in these float64 frames): it and its moments stay as they were; every other frame steps
+    exactly as in a run where frame 1's gradient was finite."""
     shape = [(3, 6, 3)]
     params0 = make_params(shape, seed=0)
     grads = grad_seq(shape, 8, seed=1)
