@@ -44,8 +44,8 @@ def test_a_bad_seed_selection_is_refused_saying_why(text, why):
 
 def test_listed_seeds_plan_the_very_runs_a_count_plans_for_those_seeds():
     family = get_family("mqar")
-    args = argparse.Namespace(experiment="main", profile="smoke", seeds=(1, 3))
-    listed = cli._seed_cells(family, args)
+    request = cli.RunRequest(family, "main", "smoke", Path("unused"), {}, None, seeds=(1, 3))
+    listed = cli._seed_cells(request)
     counted = family.cells("main", "smoke", 4)
     assert {c.config["seed"] for c in listed} == {1, 3}
     assert [c.key for c in listed] == [c.key for c in counted if c.config["seed"] in (1, 3)]
@@ -175,3 +175,26 @@ def test_the_text_corpus_is_named_text_and_the_old_name_still_reads_it(family, c
         parser.parse_args([family, "--help"])
     shown = capsys.readouterr().out
     assert "--text TEXT" in shown and "--data" not in shown
+
+
+def test_reproduce_hands_each_experiment_to_run_experiment_as_one_request(tmp_path, monkeypatch):
+    """No argv round trip: reproduce builds a RunRequest per experiment, its options (--text) already read."""
+    from stiefel_attention.bench import family as family_module
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n" * 40)
+    seen: list = []
+    monkeypatch.setattr(family_module, "FAMILY_MODULES", ("lm", "mqar"))
+    monkeypatch.setattr(cli, "_cmd_certify", lambda args: 0)
+    monkeypatch.setattr(cli, "_cmd_report", lambda args: 0)
+    monkeypatch.setattr(cli, "run_experiment", lambda request: seen.append(request) or 0)
+    out = tmp_path / "r"
+    argv = ["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1", "--no-progress", "--text", str(corpus)]
+    assert cli.main(argv) == 0
+    lm, mqar = get_family("lm"), get_family("mqar")
+    assert [(r.family.name, r.experiment) for r in seen] == [
+        *(("lm", e) for e in lm.reproduce_order),
+        *(("mqar", e) for e in mqar.reproduce_order),
+    ]
+    assert all(r.profile == "smoke" and r.progress is False and r.out == out / r.family.name for r in seen)
+    assert {r.run_options["data"] for r in seen if r.family.name == "lm"} == {str(corpus)}

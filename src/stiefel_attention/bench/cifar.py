@@ -488,9 +488,6 @@ class CifarFamily(Family):
             help="CIFAR-10 source (folder or archive); default: $STIEFEL_ATTENTION_CIFAR10 or the usual places",
         )
 
-    def forward_arguments(self, args) -> list[str]:
-        return (["--data", args.data] if args.data else []) + (["--no-download"] if args.no_download else [])
-
     def cell_options(self, args) -> dict:
         return {"n": args.n}
 

@@ -22,11 +22,13 @@ import functools
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .family import FAMILY_MODULES, UserError, all_families, get_family, with_data
+from .family import FAMILY_MODULES, Family, UserError, all_families, get_family, with_data
 
 EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
@@ -300,70 +302,109 @@ def parse_setting(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
-def _seed_cells(family, args: argparse.Namespace) -> list:
-    """The experiment's cells for --seeds: a count is the family's own; listed seeds are the cells of seeds
-    0..max whose seed is listed, so a listed seed's run is the very run (same key) a count would plan."""
-    options = family.cell_options(args)
-    if not isinstance(args.seeds, tuple):
-        return family.cells(args.experiment, args.profile, args.seeds, **options)
-    cells = family.cells(args.experiment, args.profile, 1 + max(args.seeds), **options)
-    chosen = [c for c in cells if c.config.get("seed") in args.seeds]
+@dataclass(frozen=True)
+class RunRequest:
+    """One experiment to run, as a command asked for it (a family's command, or reproduce for each experiment):
+    everything from the command line that the run needs, checked where it could be before any run."""
+
+    family: Family
+    experiment: str
+    profile: str
+    out: Path  # the family's results folder; records go to out/runs
+    run_options: dict  # where to run, not what (the family's data source), checked by family.run_options
+    executor: Any  # runner's LocalExecutor, InlineExecutor or RayExecutor
+    seeds: int | tuple[int, ...] | None = None  # a count, listed seeds, or the experiment's protocol
+    arms: str | None = None  # --arms as given (comma-separated), checked against the experiment's arms
+    settings: dict = field(default_factory=dict)  # --set, in every run's config
+    cell_options: dict = field(default_factory=dict)  # the family's planning options (cifar's --n)
+    device: str | None = None
+    progress: bool = True
+
+
+def _seed_cells(request: RunRequest) -> list:
+    """The experiment's cells for the request's seeds: a count is the family's own; listed seeds are the cells of
+    seeds 0..max whose seed is listed, so a listed seed's run is the very run (same key) a count would plan."""
+    family, seeds = request.family, request.seeds
+    if not isinstance(seeds, tuple):
+        return family.cells(request.experiment, request.profile, seeds, **request.cell_options)
+    cells = family.cells(request.experiment, request.profile, 1 + max(seeds), **request.cell_options)
+    chosen = [c for c in cells if c.config.get("seed") in seeds]
     if not chosen:
         have = sorted({c.config.get("seed") for c in cells})
-        raise UserError(f"--seeds: {family.name} {args.experiment} has no run of seeds {args.seeds} (it has {have})")
+        raise UserError(f"--seeds: {family.name} {request.experiment} has no run of seeds {seeds} (it has {have})")
     return chosen
 
 
 def _family_command(args: argparse.Namespace) -> int:
-    """`stiefel-attention <family> --experiment NAME ...`: run the missing cells, then report."""
+    """`stiefel-attention <family> --experiment NAME ...`: the flags as one RunRequest, then run_experiment."""
+    family = get_family(args.command)
+    _check_device(args.device)
+    request = RunRequest(
+        family=family,
+        experiment=args.experiment,
+        profile=args.profile,
+        out=Path(args.out or default_results_dir(args.profile) / family.name),
+        executor=_executor(args),  # validates --executor / --jobs (and that Ray is installed) up front
+        run_options=family.run_options(args),
+        seeds=args.seeds,
+        arms=args.arms,
+        settings=dict(args.set),
+        cell_options=family.cell_options(args),
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    return run_experiment(request)
+
+
+def run_experiment(request: RunRequest) -> int:
+    """Run the request's missing cells after the checks that need no run (folder, data, reportability), then
+    write the experiment's summary of the folder; 1 if a run failed."""
     from .report import load_records
     from .runner import run_cells
 
-    family = get_family(args.command)
-    _check_device(args.device)
-    executor = _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
-    cells = with_data(_seed_cells(family, args), {"settings": dict(args.set)} if args.set else {})
-    chosen = _chosen_arms(args.arms, cells, f"{family.name} --experiment {args.experiment}")
-    run_options = family.run_options(args)
-    cells = with_data(cells, family.data_key(run_options))
-    out = Path(args.out or default_results_dir(args.profile) / family.name)
-    _check_folder(family, out / "runs", args.profile, run_options)
-    _check_reportable(family, out, cells, f"{family.name} --experiment {args.experiment}")
+    family, out = request.family, request.out
+    what = f"{family.name} --experiment {request.experiment}"
+    cells = with_data(_seed_cells(request), {"settings": request.settings} if request.settings else {})
+    chosen = _chosen_arms(request.arms, cells, what)
+    cells = with_data(cells, family.data_key(request.run_options))
+    _check_folder(family, out / "runs", request.profile, request.run_options)
+    _check_reportable(family, out, cells, what)
     # each long run says how far it is: every minute beside a bar, every 10 minutes in a log (--no-progress)
-    options = {**run_options, "device": args.device, "heartbeat_s": 600.0 if args.no_progress else 60.0}
+    options = {**request.run_options, "device": request.device, "heartbeat_s": 60.0 if request.progress else 600.0}
     cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
     to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]
-    print(_run_count_header(family, args, out, cells, to_run, chosen, family.describe(run_options)))
-    if note := family.plan_note(args.experiment, args.profile):
+    print(_run_count_header(request, cells, to_run, chosen, family.describe(request.run_options)))
+    if note := family.plan_note(request.experiment, request.profile):
         print(f"note: {note}")
     _, failures = run_cells(
-        to_run, out / "runs", executor, progress=not args.no_progress, desc=f"{family.name} {args.experiment}"
+        to_run, out / "runs", request.executor, progress=request.progress, desc=f"{family.name} {request.experiment}"
     )
     # the folder's summary of the experiment, as `report` writes it (it takes every record of these cells: checked)
     by_key = {r["key"]: r for r in load_records(out / "runs", family.name)}
-    finished = family.experiment_records(args.experiment, args.profile, by_key)
-    plan = family.plan(args.experiment, args.profile, finished)
-    family.write_summary(out, args.experiment, finished, args.profile, plan, by_key)
-    print((out / args.experiment / "summary.md").read_text())
+    finished = family.experiment_records(request.experiment, request.profile, by_key)
+    plan = family.plan(request.experiment, request.profile, finished)
+    family.write_summary(out, request.experiment, finished, request.profile, plan, by_key)
+    print((out / request.experiment / "summary.md").read_text())
     for cell, err in failures:
         print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
     return 1 if failures else 0
 
 
-def _run_count_header(family, args, out: Path, cells: list, to_run: list, chosen: list[str], about: str) -> str:
+def _run_count_header(request: RunRequest, cells: list, to_run: list, chosen: list[str], about: str) -> str:
     """What this command will run: the runs selected (--arms, --seeds applied), how many of them are already
     recorded, and what the selection leaves out of the experiment."""
-    done = sum(c.path(out / "runs").is_file() for c in to_run)
-    parts = [f"{family.name} {args.experiment}: {len(to_run)} runs (profile {args.profile})"]
+    runs = request.out / "runs"
+    done = sum(c.path(runs).is_file() for c in to_run)
+    parts = [f"{request.family.name} {request.experiment}: {len(to_run)} runs (profile {request.profile})"]
     if done:
         parts.append(f"{done} already recorded, {len(to_run) - done} to run")
     if about:
         parts.append(about)
     if chosen:
         parts.append(f"arms {', '.join(chosen)} only (the experiment has {len(cells)} runs at these seeds)")
-    if isinstance(args.seeds, tuple):
-        parts.append(f"seeds {', '.join(map(str, args.seeds))}")
-    return ", ".join(parts) + f", records in {out / 'runs'}"
+    if isinstance(request.seeds, tuple):
+        parts.append(f"seeds {', '.join(map(str, request.seeds))}")
+    return ", ".join(parts) + f", records in {runs}"
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
@@ -385,33 +426,24 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED_CHECK
-    common = [
-        "--profile",
-        args.profile,
-        "--executor",
-        args.executor,
-        "--retries",
-        str(args.retries),
-        "--ray-cpus-per-task",
-        str(args.ray_cpus_per_task),
-        "--ray-gpus-per-task",
-        str(args.ray_gpus_per_task),
-    ]
-    common += ["--jobs", str(args.jobs)] if args.jobs is not None else []
-    common += ["--device", args.device] if args.device else []
-    common += ["--ray-address", args.ray_address] if args.ray_address else []
-    common += ["--no-progress"] if args.no_progress else []
     failed: list[str] = []
     refused: list[str] = []
-    parser = build_parser()
     for family in families:
+        run_options = family.run_options(args)
         for experiment in family.reproduce_order or family.experiments:
             print(f"\n== {family.name} {experiment} (profile {args.profile})", flush=True)
-            argv = [family.name, "--experiment", experiment, "--out", str(out / family.name), *common]
-            argv += family.forward_arguments(args)
-            sub = parser.parse_args(argv)
+            request = RunRequest(
+                family=family,
+                experiment=experiment,
+                profile=args.profile,
+                out=out / family.name,
+                executor=_executor(args),
+                run_options=run_options,
+                device=args.device,
+                progress=not args.no_progress,
+            )
             try:
-                if sub.func(sub) != 0:
+                if run_experiment(request) != 0:
                     failed.append(f"{family.name} {experiment}")
             except UserError as err:  # e.g. NotReady after a failed sweep run: the other experiments still run
                 print(f"not run: {family.name} {experiment}: {err}", file=sys.stderr, flush=True)

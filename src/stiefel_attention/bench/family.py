@@ -83,10 +83,6 @@ class Family:
     def add_reproduce_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Options of `reproduce` that this family needs (e.g. where its data is)."""
 
-    def forward_arguments(self, args: argparse.Namespace) -> list[str]:
-        """The argv that passes those `reproduce` options on to this family's own command."""
-        return []
-
     def data_sha256(self, run_options: dict[str, Any]) -> str | None:
         """Content hash of the data the run options point at (None for generated data)."""
         return None

@@ -371,9 +371,6 @@ class LMFamily(Family):
             "data/tinyshakespeare.txt or ../shared/datasets/tinyshakespeare.txt)",
         )
 
-    def forward_arguments(self, args) -> list[str]:
-        return ["--text", args.text] if getattr(args, "text", None) else []
-
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
         return cells(experiment, profile, default_seeds(DEFAULT_SEEDS, experiment, profile) if seeds is None else seeds)
 

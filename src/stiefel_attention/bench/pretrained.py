@@ -607,10 +607,6 @@ class PretrainedFamily(Family):
             "$STIEFEL_ATTENTION_CACHE/pretrained, else ~/.cache/stiefel-attention/pretrained)",
         )
 
-    def forward_arguments(self, args) -> list[str]:
-        out = ["--checkpoints", args.checkpoints] if getattr(args, "checkpoints", None) else []
-        return out + (["--text", args.text] if getattr(args, "text", None) else [])
-
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
         return cells(
             experiment, profile, default_seeds({"main": DEFAULT_SEEDS}, experiment, profile) if seeds is None else seeds
