@@ -198,3 +198,12 @@ def test_reproduce_hands_each_experiment_to_run_experiment_as_one_request(tmp_pa
     ]
     assert all(r.profile == "smoke" and r.progress is False and r.out == out / r.family.name for r in seen)
     assert {r.run_options["data"] for r in seen if r.family.name == "lm"} == {str(corpus)}
+
+
+@pytest.mark.parametrize("command", ["cifar", "grok", "lm", "mqar", "pretrained", "reproduce"])
+def test_every_command_defaults_to_the_smoke_profile_so_only_a_named_cpu_profile_writes_results(command):
+    parser = cli.build_parser()
+    argv = [command] if command == "reproduce" else [command, "--experiment", get_family(command).experiments[0]]
+    args = parser.parse_args(argv)
+    assert args.profile == "smoke" and cli.default_results_dir(args.profile) == Path("results-smoke")
+    assert cli.default_results_dir("cpu") == Path("results")

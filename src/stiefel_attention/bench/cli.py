@@ -642,7 +642,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="; ".join(f"{e}: {family.experiment_help.get(e, '')}" for e in family.experiments),
         )
         p.add_argument(
-            "--profile", default="cpu", choices=list(family.profiles), help="model/training size (default cpu)"
+            "--profile",
+            default="smoke",
+            choices=list(family.profiles),
+            help="model/training size (default smoke, as reproduce's: minutes, into results-smoke/; cpu writes the "
+            "committed results/)",
         )
         p.add_argument(
             "--seeds",
