@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .arms import arm_spec
+from .arms import BOUNDED_ARMS, arm_spec
 from .family import Family
 from .models import CharGPT
 from .mqar_task import IGNORE, max_pairs, min_seq_len, mqar_batch
@@ -76,6 +76,9 @@ PROFILES: dict[str, dict] = {
             "stiefel-sgd": {"frame_lr": 0.1},
             "muon": {"frame_lr": 1e-2},
             "orthogonal-param": {"frame_lr": 1e-3},
+            "adamw-bounded": {"lr": 3e-3},
+            "stiefel-adam-bounded": {"frame_lr": 3e-2},
+            "stiefel-adam-bounded-temp": {"frame_lr": 3e-2},
         },
         **_OPT,
     ),
@@ -94,7 +97,7 @@ PROFILES: dict[str, dict] = {
         **_OPT,
     ),
 }
-MAIN_ARMS = SEQUENCE_ARMS
+MAIN_ARMS = SEQUENCE_ARMS + BOUNDED_ARMS
 DIFFICULTY_ARMS = ("adamw", "frozen", "stiefel-adam")
 # at most mqar_task.max_pairs(vocab) pairs (distinct keys): 30 is the cpu vocabulary's largest even level
 DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (8, 16, 24, 30), "paper": (8, 16, 32, 64)}
