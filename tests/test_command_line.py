@@ -112,7 +112,11 @@ def test_list_names_every_family_experiment_with_what_it_answers_and_the_planned
         for experiment in family.experiments:
             assert family.experiment_help.get(experiment), f"{family.name} {experiment} has no line in `list`"
             assert f"--experiment {experiment}: {family.experiment_help[experiment]}" in out
-    assert "smoke: 20 runs" in out  # mqar main at smoke: 10 arms x 2 seeds
+    planned = len(get_family("mqar").cells("main", "smoke"))  # every main arm x 2 seeds
+    assert (
+        f"smoke: {planned} runs"
+        in out.split("--experiment main: every arm at its tuned rates, 12 paired seeds: steps")[1]
+    )
 
 
 def test_list_estimates_the_time_left_from_the_recorded_run_times(tmp_path, monkeypatch):
