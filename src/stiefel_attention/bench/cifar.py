@@ -214,9 +214,10 @@ CONTROL_LR_GRID = {
     "orthogonal-param": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2),  # best sat on the upper edge twice
     "muon": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),  # best sat on the 5e-4 edge
     "stiefel-adam-temp": FRAME_LR_GRID["stiefel-adam"],
-    "stiefel-adam-bounded": FRAME_LR_GRID["stiefel-adam"],
+    # the bounded frames' best sat on the grid's lower edge (3e-3)
+    "stiefel-adam-bounded": (1e-3, *FRAME_LR_GRID["stiefel-adam"]),
     "adamw-bounded": LR_GRID,
-    "stiefel-adam-bounded-temp": FRAME_LR_GRID["stiefel-adam"],
+    "stiefel-adam-bounded-temp": (1e-3, *FRAME_LR_GRID["stiefel-adam"]),
 }
 
 
