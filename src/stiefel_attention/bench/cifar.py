@@ -214,10 +214,11 @@ CONTROL_LR_GRID = {
     "orthogonal-param": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2),  # best sat on the upper edge twice
     "muon": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),  # best sat on the 5e-4 edge
     "stiefel-adam-temp": FRAME_LR_GRID["stiefel-adam"],
-    # the bounded frames' best sat on the grid's lower edge (3e-3)
-    "stiefel-adam-bounded": (1e-3, *FRAME_LR_GRID["stiefel-adam"]),
+    # the bounded frames' best sat on the grid's lower edge twice (3e-3, then 1e-3): the second time the grid
+    # took two values below it at once
+    "stiefel-adam-bounded": (1e-4, 3e-4, 1e-3, *FRAME_LR_GRID["stiefel-adam"]),
     "adamw-bounded": LR_GRID,
-    "stiefel-adam-bounded-temp": (1e-3, *FRAME_LR_GRID["stiefel-adam"]),
+    "stiefel-adam-bounded-temp": (1e-4, 3e-4, 1e-3, *FRAME_LR_GRID["stiefel-adam"]),
 }
 
 
