@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..manifold import isometry_error
 from ..metrics import attention_metrics
 from ..nn import qk_matrices
-from .arms import HyperParameters, arm_spec, attention_options, build_optimizers
+from .arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
 from .cifar10 import (
     CIFAR10_URL,
     DEFAULT_CIFAR10_SHA256,
@@ -86,6 +86,9 @@ PROFILES: dict[str, dict] = {
             "orthogonal-param": {"frame_lr": 3.2e-2},
             "muon": {"frame_lr": 5e-4},
             "stiefel-adam-temp": {"frame_lr": 1e-2},
+            "adamw-bounded": {"lr": 2e-3},
+            "stiefel-adam-bounded": {"frame_lr": 1e-3},
+            "stiefel-adam-bounded-temp": {"frame_lr": 3e-4},
         },
         weight_decay=0.05,
         max_step=0.1,
@@ -107,7 +110,7 @@ DOWNLOAD_DIR = "data"  # where a missing CIFAR-10 is downloaded (the first place
 MAIN_ARMS = ("adamw", "adamw-orthoinit", "stiefel-adam", "stiefel-sgd", "frozen")
 # The controls and modern baselines (issue: when does the geometry dominate?), each at the learning
 # rate its own validation sweep chose; run beside adamw, frozen and stiefel-adam.
-CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "qk-norm", "muon", "stiefel-adam-temp")
+CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "qk-norm", "muon", "stiefel-adam-temp", *BOUNDED_ARMS)
 DECAY_VALUES = (0.0, 0.5)  # weight decay of the `decay` experiment, beside the profile's 0.05
 ABLATION_ARMS = ("stiefel-adam", "no-projector", "coordinate-moment", "stiefel-sgd", "adamw")
 SCALING_NS = (1000, 5000, 10000, 50000)
