@@ -104,3 +104,86 @@ def test_every_cell_of_the_table_is_an_arm_of_its_geometry_and_its_optimizer_fam
         qk = {id(p) for _, p in qk_parameters(model)}
         stepping = {type(o) for o in opts for g in o.param_groups for p in g["params"] if id(p) in qk}
         assert len(stepping) == 1 and issubclass(stepping.pop(), families[family]), arm
+
+
+# --- the testbed's factorial section -------------------------------------------------------------------------
+
+
+class _Measure:
+    """A stand-in for geometry.Measure: the value is metrics["v"]; censored when metrics["c"]."""
+
+    def __init__(self, name="loss", higher=False, censored=None, fallback=None):
+        self.name, self.unit, self.higher_is_better = name, "u", higher
+        self.censored, self.fallback = censored, fallback
+
+    def value(self, rec):
+        return rec["metrics"]["v"]
+
+    def describe(self):
+        return {"name": self.name, "unit": self.unit, "higher_is_better": self.higher_is_better}
+
+
+_G, _O = ("euclidean", "frames"), ("adam", "sgd")
+_ARMS = {("euclidean", "adam"): "a", ("euclidean", "sgd"): "b", ("frames", "adam"): "c", ("frames", "sgd"): "d"}
+
+
+def _records(value, arms=("a", "b", "c", "d", "v"), seeds=range(4)):
+    return [{"config": {"arm": a, "seed": s}, "metrics": {"v": value(a, s), "c": False}} for a in arms for s in seeds]
+
+
+def test_the_section_holds_every_cell_decomposes_and_compares_each_variant_with_the_reference_cell():
+    from stiefel_attention.bench.factorial import FactorialSection, factorial_markdown, factorial_section
+
+    geometry_effect = {"a": 0.0, "b": 0.0, "c": 1.0, "d": 1.0, "v": 1.5}
+    recs = _records(lambda a, s: geometry_effect[a] + 0.01 * s + 0.001 * (a == "b") + 0.001 * (a == "v" and s == 0))
+    section = factorial_section(recs, _Measure(), _ARMS, _G, _O, variants=("v",))
+    assert [(c.arm, c.n) for c in section.cells] == [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
+    assert section.decomposition["shares"]["geometry"] > 0.99 and section.not_yet == ""
+    assert "the geometry carries the most" in section.sentence
+    assert section.variants_vs["v"]["mean_diff"] == pytest.approx(0.50025)  # v - the frames x adam cell ("c")
+    again = FactorialSection.from_dict(section.to_dict())  # what summary.json holds reads back as the same section
+    assert again == section
+    text = "\n".join(factorial_markdown(again))
+    assert "| euclidean | 0.015 ± 0.013 (`a`, 4) |" in text and "| v | 1.515 ± 0.013 | 4 | +0.500 |" in text
+
+
+def test_a_cell_without_runs_is_shown_as_not_run_and_leaves_no_decomposition():
+    from stiefel_attention.bench.factorial import factorial_markdown, factorial_section
+
+    section = factorial_section(_records(lambda a, s: float(s), arms=("a", "b", "c")), _Measure(), _ARMS, _G, _O)
+    assert section.decomposition is None and "misses 1 cells: frames x sgd" in section.not_yet
+    text = "\n".join(factorial_markdown(section))
+    assert "not run (`d`)" in text and "Cells not run yet: d." in text and "share of the between-cell" not in text
+
+
+def test_equal_cells_have_no_spread_to_divide_and_all_censored_runs_fall_back_to_the_second_measure():
+    from stiefel_attention.bench.factorial import factorial_section
+
+    flat = factorial_section(_records(lambda a, s: 1.0), _Measure(), _ARMS, _G, _O)
+    assert flat.decomposition is None and "no spread to divide" in flat.not_yet
+    fallback = _Measure("accuracy", higher=True)
+    fallback.value = lambda rec: rec["metrics"]["acc"]
+    recs = _records(lambda a, s: 61.0)
+    for r in recs:
+        r["metrics"].update(
+            c=True, acc={"a": 1.0, "b": 2.0, "c": 5.0, "d": 6.0, "v": 0.0}[r["config"]["arm"]] + r["config"]["seed"]
+        )
+    steps = _Measure("steps", censored=lambda rec: rec["metrics"]["c"], fallback=fallback)
+    section = factorial_section(recs, steps, _ARMS, _G, _O)
+    assert section.measure["name"] == "accuracy" and "every run is censored on steps" in section.note
+    assert tuple(section.decomposition["best"]) == ("frames", "sgd") and section.cells[0].censored == 0
+    partly = factorial_section(recs[:4] + _records(lambda a, s: 10.0 + s, arms=("b", "c", "d")), steps, _ARMS, _G, _O)
+    assert partly.measure["name"] == "steps" and partly.cells[0].censored == 4  # not all censored: steps, flagged
+
+
+@pytest.mark.parametrize("family", ["lm", "mqar", "cifar"])
+def test_the_factorial_plans_every_cell_and_variant_and_reuses_the_other_experiments_cells(family):
+    from stiefel_attention.bench import family as family_module
+    from stiefel_attention.bench.arms import FACTORIAL_ARMS
+
+    fam = family_module.get_family(family)
+    plan = fam.cells("factorial", "smoke")
+    assert sorted({c.config["arm"] for c in plan}) == sorted(FACTORIAL_ARMS) and len(plan) == 2 * len(FACTORIAL_ARMS)
+    shared = fam.cells("main" if family != "cifar" else "controls", "smoke")
+    both = {c.key for c in plan} & {c.key for c in shared}
+    assert {c.config["arm"] for c in plan if c.key in both} >= {"adamw", "stiefel-adam", "qk-norm"}

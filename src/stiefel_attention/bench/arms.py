@@ -351,6 +351,8 @@ FACTORIAL: dict[tuple[str, str], str] = {
 }
 # Adam-type rules on frames beside the table's: prior art and a retraction-free variant
 FRAME_ADAM_VARIANTS = ("kong-stiefel-adam", "landing-stiefel-adam")
+# Every arm of a testbed's `factorial` experiment: the table's cells, then the variants
+FACTORIAL_ARMS = (*FACTORIAL.values(), *FRAME_ADAM_VARIANTS)
 
 
 def arm_spec(arm: str) -> Arm:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..manifold import isometry_error
 from ..metrics import attention_metrics
 from ..nn import qk_matrices
-from .arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
 from .cifar10 import (
     CIFAR10_URL,
     DEFAULT_CIFAR10_SHA256,
@@ -120,7 +120,9 @@ SCALING_NS = (1000, 5000, 10000, 50000)
 SCALING_SEEDS = {1000: 12, 5000: 12, 10000: 12, 50000: 5}
 # Largest first after the baseline: eps=0.1 is the paper's targeted point (-2.6 pp), so a partial run has it.
 EPS_VALUES = (1e-8, 0.1, 1e-2, 1e-3, 1e-4)
-EXPERIMENTS = ("main", "scaling", "ablation", "eps", "movement", "lr-sweep", "controls", "decay")
+# The geometry x optimizer table's arms that no other experiment runs; each at the rate its own sweep chose
+FACTORIAL_NEW_ARMS = tuple(a for a in FACTORIAL_ARMS if a not in (*MAIN_ARMS, *CONTROL_ARMS))
+EXPERIMENTS = ("main", "scaling", "ablation", "eps", "movement", "lr-sweep", "controls", "decay", "factorial")
 # Paired seeds per experiment in our protocol (the CLI's defaults for the cpu and paper profiles).
 DEFAULT_SEEDS = {
     "main": 12,
@@ -131,6 +133,7 @@ DEFAULT_SEEDS = {
     "lr-sweep": 2,
     "controls": 12,
     "decay": 12,
+    "factorial": 12,
 }
 
 
@@ -153,7 +156,7 @@ def make_config(profile_name: str, arm: str, seed: int, n: int, split: str = "te
     arm_spec(arm)  # validates
     prof = copy.deepcopy(PROFILES[profile_name])
     tuned = prof["tuned"].get(arm, {})
-    if arm in CONTROL_ARMS and not tuned and split == "test" and profile_name != "smoke":
+    if arm in (*CONTROL_ARMS, *FACTORIAL_NEW_ARMS) and not tuned and split == "test" and profile_name != "smoke":
         raise NotReady(
             f"profile {profile_name!r} has no learning rate chosen for arm {arm!r} yet: run "
             f"`stiefel-attention cifar --experiment lr-sweep --profile {profile_name}` and enter the "
@@ -222,6 +225,18 @@ CONTROL_LR_GRID = {
     "stiefel-adam-bounded": (1e-4, 3e-4, 1e-3, *FRAME_LR_GRID["stiefel-adam"]),
     "adamw-bounded": LR_GRID,
     "stiefel-adam-bounded-temp": (1e-4, 3e-4, 1e-3, *FRAME_LR_GRID["stiefel-adam"]),
+    # The factorial's arms, fixed before their sweeps: SGD with momentum on ordinary W_Q, W_K (its decay shrinks
+    # them by lr * weight_decay per step); Muon on QK-norm's W_Q, W_K at Muon's grid around its choice; manifold
+    # Muon (a step of spectral norm lr) around stiefel-adam's; the fixed-step rule's grid on bounded frames;
+    # Kong et al.'s elementwise Adam on AdamW's scale; landing on stiefel-adam's.
+    "sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    "qk-norm-sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    "qk-norm-muon": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3),
+    "stiefel-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-muon-bounded": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-sgd-bounded": FRAME_LR_GRID["stiefel-sgd"][1:],
+    "kong-stiefel-adam": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
+    "landing-stiefel-adam": (1e-3, *FRAME_LR_GRID["stiefel-adam"]),
 }
 
 
@@ -267,6 +282,8 @@ def cells(experiment: str, profile: str, seeds: int, n: int | None = None, per_n
             for a in ("adamw", "frozen", "stiefel-adam", *CONTROL_ARMS)
             for s in S
         ]
+    elif experiment == "factorial":  # cells shared with main and the controls are theirs
+        out = [_cell(make_config(profile, a, s, n_main)) for a in FACTORIAL_ARMS for s in S]
     elif experiment == "decay":
         wds = (*DECAY_VALUES, PROFILES[profile]["weight_decay"])
         out = [
@@ -459,11 +476,12 @@ class CifarFamily(Family):
         "movement": "how far W_Q, W_K travel from their start under each optimizer",
         "lr-sweep": "each arm's learning rates, scored on a validation split carved from train",
         "controls": "every geometry of W_Q, W_K at its tuned rate: when does the geometry matter?",
+        "factorial": "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters",
         "decay": "the stiefel-adam lead against weight decay (the decay-exemption explanation)",
     }
     claimed = ("main", "scaling", "ablation", "eps", "movement")
     # the lr sweep first: it is how the profile's rates were chosen, and `movement` reads it
-    reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling", "controls", "decay")
+    reproduce_order = ("lr-sweep", "main", "ablation", "eps", "movement", "scaling", "controls", "decay", "factorial")
     controls_experiment = "controls"
     decay_experiment = "decay"
     default_data_sha256 = DEFAULT_CIFAR10_SHA256

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import claims
 from .arms import arm_spec
+from .factorial import FactorialSection, factorial_markdown, factorial_plot, suite_factorial
 from .family import Plan
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
 from .geometry import (
@@ -107,6 +108,8 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
         summary["controls"] = controls_summary(records, TEST_ACCURACY)
     elif experiment == "decay":
         summary["decay"] = decay_summary(records, TEST_ACCURACY)
+    elif experiment == "factorial":
+        summary["factorial"] = suite_factorial(records, TEST_ACCURACY)
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
     return summary
@@ -293,6 +296,8 @@ def summary_markdown(summary: dict, profile: str) -> str:
         lines += controls_markdown(summary["controls"])
     if "decay" in summary:
         lines += decay_markdown(summary["decay"])
+    if "factorial" in summary:
+        lines += factorial_markdown(FactorialSection.from_dict(summary["factorial"]), digits=2)
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"
@@ -393,6 +398,8 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         mechanism_plot(summary["controls"], out_dir, made)
     if "decay" in summary:
         lead_plot(summary["decay"], out_dir, made)
+    if "factorial" in summary:
+        factorial_plot(FactorialSection.from_dict(summary["factorial"]), out_dir, made)
     return made
 
 

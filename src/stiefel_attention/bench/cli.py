@@ -174,7 +174,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"  --experiment {experiment}: {family.experiment_help.get(experiment, '')}")
             plans = [_plan_line(family, experiment, profile) for profile in family.profiles]
             print(f"      {'; '.join(plans)}")
-            for cell in family.cells(experiment, "cpu"):
+            for cell in family.cells(experiment, "smoke"):  # smoke plans every arm without waiting for a sweep
                 arms[str(cell.config.get("arm"))] = None
         print(f"  arms: {', '.join(arms)}\n")
     print(

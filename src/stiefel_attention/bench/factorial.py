@@ -18,13 +18,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .fmt import fmt_ci
 from .stats import paired_comparison
 
-__all__ = ["Decomposition", "decompose", "two_way_shares"]
+__all__ = [
+    "CellResult",
+    "Decomposition",
+    "FactorialSection",
+    "decompose",
+    "factorial_markdown",
+    "factorial_plot",
+    "factorial_section",
+    "suite_factorial",
+    "two_way_shares",
+]
 
 SOURCES = ("geometry", "optimizer", "interaction")
 
@@ -67,7 +78,7 @@ class Decomposition:
         st = self.best_vs_second
         lo, hi = st["ci95"]
         clear = not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
-        verdict = "ahead" if clear else "not distinguishable from it"
+        verdict = "ahead of" if clear else "not distinguishable from"
         return (
             f"of the spread between cells, {parts} (95% bootstrap over {len(self.seeds)} seeds): the {lead} carries "
             f"the most. Best cell: {self.best[0]} x {self.best[1]}, {verdict} the second, {self.second[0]} x "
@@ -96,6 +107,8 @@ def decompose(
         raise ValueError(f"the cells share {len(seeds)} seeds; the decomposition needs at least 2")
     values = np.array([[[table[(g, o)][s] for s in seeds] for o in optimizers] for g in geometries])  # (G, O, S)
     means = values.mean(axis=2)
+    if np.all(means == means.flat[0]):
+        raise ValueError(f"every cell has the same mean over their {len(seeds)} seeds, so there is no spread to divide")
     shares = two_way_shares(means)
     rng = np.random.default_rng(seed)
     boot = {k: [] for k in SOURCES}
@@ -122,3 +135,212 @@ def decompose(
         second,
         st,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# A testbed's factorial section: the table of cells, what did not run, the decomposition, the variants
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One cell of the table (or one variant beside it): its arm and the measure over its seeds."""
+
+    geometry: str
+    optimizer: str
+    arm: str
+    n: int
+    mean: float
+    std: float
+    censored: int  # runs whose value is a bound (a time to a threshold never reached), 0 for other measures
+
+
+@dataclass(frozen=True)
+class FactorialSection:
+    """What a testbed's `factorial` summary holds (summary.json's "factorial", read back by `from_dict`)."""
+
+    measure: dict  # name, unit, higher_is_better
+    cells: tuple[CellResult, ...]  # every cell of the table, in row-major order, n = 0 where it has no run
+    variants: tuple[CellResult, ...]  # Adam-type rules on frames beside the table's (optimizer: the arm's rule)
+    variants_vs: dict[str, dict]  # arm -> paired comparison with the frames x adam cell (variant - it)
+    decomposition: dict | None  # asdict(Decomposition), None until every cell shares 2 seeds
+    sentence: str
+    not_yet: str  # why there is no decomposition ("" when there is one)
+    note: str = ""  # the measure's fallback was used, and why
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FactorialSection:
+        return cls(
+            d["measure"],
+            tuple(CellResult(**c) for c in d["cells"]),
+            tuple(CellResult(**c) for c in d["variants"]),
+            d["variants_vs"],
+            d["decomposition"],
+            d["sentence"],
+            d["not_yet"],
+            d.get("note", ""),
+        )
+
+
+def _cell_result(geometry: str, optimizer: str, arm: str, values: dict[int, float], censored: int) -> CellResult:
+    x = np.array(list(values.values()), dtype=float)
+    mean = float(x.mean()) if x.size else math.nan
+    return CellResult(
+        geometry, optimizer, arm, int(x.size), mean, float(x.std(ddof=1)) if x.size > 1 else math.nan, censored
+    )
+
+
+def factorial_section(
+    records: Sequence[dict],
+    measure,
+    table_arms: dict[tuple[str, str], str],
+    geometries: Sequence[str],
+    optimizers: Sequence[str],
+    variants: Sequence[str] = (),
+    reference: tuple[str, str] = ("frames", "adam"),
+) -> FactorialSection:
+    """The factorial section of a summary from one testbed's records. measure: value(record), name, unit,
+    higher_is_better and censored(record) or None (geometry.Measure). table_arms: (geometry, optimizer) -> arm;
+    variants: arms compared, paired by seed, with the `reference` cell."""
+    note = ""
+    if measure.censored and records and all(measure.censored(r) for r in records) and measure.fallback:
+        note = f"every run is censored on {measure.name}, so the table is of {measure.fallback.name}"
+        measure = measure.fallback  # only the fallback tells runs apart that all stop at the budget
+    values: dict[str, dict[int, float]] = {}
+    censored: dict[str, int] = {}
+    for rec in records:
+        arm = rec["config"]["arm"]
+        values.setdefault(arm, {})[rec["config"]["seed"]] = measure.value(rec)
+        censored[arm] = censored.get(arm, 0) + bool(measure.censored and measure.censored(rec))
+    cells = tuple(
+        _cell_result(g, o, table_arms[(g, o)], values.get(table_arms[(g, o)], {}), censored.get(table_arms[(g, o)], 0))
+        for g in geometries
+        for o in optimizers
+    )
+    side = tuple(_cell_result("frames", a, a, values.get(a, {}), censored.get(a, 0)) for a in variants)
+    ref = values.get(table_arms[reference], {})
+    vs = {}
+    for a in variants:
+        shared = sorted(set(values.get(a, {})) & set(ref))
+        if len(shared) >= 2:
+            vs[a] = paired_comparison([values[a][s] for s in shared], [ref[s] for s in shared])
+    table = {(g, o): values[table_arms[(g, o)]] for g in geometries for o in optimizers if table_arms[(g, o)] in values}
+    unit, better = measure.unit, measure.higher_is_better
+    try:
+        d = decompose(table, geometries, optimizers, higher_is_better=better)
+    except ValueError as err:
+        return FactorialSection(measure.describe(), cells, side, vs, None, "", f"no decomposition: {err}", note)
+    return FactorialSection(measure.describe(), cells, side, vs, asdict(d), d.sentence(unit, better), "", note)
+
+
+def suite_factorial(records: Sequence[dict], measure) -> dict:
+    """summary["factorial"] of a testbed: the suite's table (arms.FACTORIAL) and its Adam-type variants on frames."""
+    from .arms import FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FRAME_ADAM_VARIANTS
+
+    table = factorial_section(
+        records, measure, FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FRAME_ADAM_VARIANTS
+    )
+    return table.to_dict()
+
+
+def factorial_markdown(section: FactorialSection, digits: int = 3) -> list[str]:
+    """The table of cell means (rows: geometry; columns: optimizer), the decomposition, and the variants."""
+    m = section.measure
+    if section.note:  # a fallback measure: an accuracy in pp, not a count of steps
+        digits = max(digits, 2)
+    optimizers = list(dict.fromkeys(c.optimizer for c in section.cells))
+    geometries = list(dict.fromkeys(c.geometry for c in section.cells))
+    by = {(c.geometry, c.optimizer): c for c in section.cells}
+
+    def show(c: CellResult) -> str:
+        if not c.n:
+            return f"not run (`{c.arm}`)"
+        bound = f", {c.censored} censored" if c.censored else ""
+        return f"{c.mean:.{digits}f} ± {fmt_std(c.std, digits)} (`{c.arm}`, {c.n}{bound})"
+
+    better = "higher" if m["higher_is_better"] else "lower"
+    lines = [
+        f"Geometry of W_Q, W_K (rows) x the optimizer family that steps them (columns); everything else AdamW. "
+        f"Cell: mean ± std of {m['name']} ({m['unit']}; {better} is better) over seeds (arm, seeds).",
+        "",
+        "| geometry | " + " | ".join(optimizers) + " |",
+        "|---" * (len(optimizers) + 1) + "|",
+    ]
+    if section.note:
+        lines[0:0] = [section.note[:1].upper() + section.note[1:] + ".", ""]
+    lines += ["| " + g + " | " + " | ".join(show(by[(g, o)]) for o in optimizers) + " |" for g in geometries]
+    lines.append("")
+    missing = [c.arm for c in section.cells if not c.n]
+    if missing:
+        lines += [f"Cells not run yet: {', '.join(missing)}.", ""]
+    if section.decomposition is None:
+        lines += [section.not_yet[:1].upper() + section.not_yet[1:] + ".", ""]
+    else:
+        d = section.decomposition
+        lines += [
+            "| source | share of the between-cell spread | 95% bootstrap interval |",
+            "|---|---|---|",
+            *(
+                f"| {k} | {100 * d['shares'][k]:.0f}% | [{100 * d['intervals'][k][0]:.0f}%, "
+                f"{100 * d['intervals'][k][1]:.0f}%] |"
+                for k in SOURCES
+            ),
+            "",
+            f"Over the {len(d['seeds'])} seeds every cell has: {section.sentence}.",
+            "",
+        ]
+    if section.variants:
+        lines += [
+            "Adam-type rules on frames beside the table's (each against the frames x adam cell, paired by seed):",
+            "",
+            f"| rule | mean ± std ({m['unit']}) | seeds | − frames x adam | 95% CI |",
+            "|---|---|---|---|---|",
+        ]
+        for c in section.variants:
+            st = section.variants_vs.get(c.arm)
+            diff = f"{st['mean_diff']:+.{digits}f} | {fmt_ci(st['ci95'], digits)}" if st else "n/a | n/a"
+            mean = f"{c.mean:.{digits}f} ± {fmt_std(c.std, digits)}" if c.n else "not run"
+            lines.append(f"| {c.arm} | {mean} | {c.n} | {diff} |")
+        lines.append("")
+    return lines
+
+
+def fmt_std(x: float, digits: int) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def factorial_plot(section: FactorialSection, out_dir, made: list[str]) -> None:
+    """A heat map of the cell means, rows geometry and columns optimizer, each cell labelled with its mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .fmt import save_figure
+
+    optimizers = list(dict.fromkeys(c.optimizer for c in section.cells))
+    geometries = list(dict.fromkeys(c.geometry for c in section.cells))
+    grid = np.array([[c.mean if c.n else math.nan for c in section.cells if c.geometry == g] for g in geometries])
+    m = section.measure
+    fig, ax = plt.subplots(figsize=(1.6 * len(optimizers) + 2.5, 0.7 * len(geometries) + 1.5))
+    image = ax.imshow(grid, cmap="viridis" if m["higher_is_better"] else "viridis_r", aspect="auto")
+    ax.set_xticks(range(len(optimizers)), optimizers)
+    ax.set_yticks(range(len(geometries)), geometries)
+    for i in range(len(geometries)):
+        for j in range(len(optimizers)):
+            ax.text(
+                j,
+                i,
+                "not run" if math.isnan(grid[i, j]) else f"{grid[i, j]:.3g}",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white",
+            )
+    fig.colorbar(image, ax=ax, label=f"{m['name']} ({m['unit']})")
+    ax.set_xlabel("optimizer family on W_Q, W_K")
+    ax.set_ylabel("geometry of W_Q, W_K")
+    save_figure(fig, out_dir, "factorial.png", made, dpi=110)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..nn import qk_clip, reset_logit_stats
 from ..optim import NonFiniteGradientError
-from .arms import BOUNDED_ARMS, arm_spec
+from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, arm_spec
 from .errors import NotReady
 from .family import Family, check_data
 from .models import CharGPT
@@ -120,8 +120,8 @@ STABILITY_RUNS = (
     *((arm, False) for arm in BOUNDED_ARMS),
 )
 LR_MULTIPLIERS = {"smoke": (1.0, 64.0), "cpu": (0.25, 1.0, 4.0, 16.0, 64.0), "paper": (0.25, 1.0, 4.0, 16.0, 64.0)}
-EXPERIMENTS = ("main", "lr-sweep", "scaling", "lr-stability")
-DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6, "lr-stability": 3}
+EXPERIMENTS = ("main", "lr-sweep", "scaling", "lr-stability", "factorial")
+DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6, "lr-stability": 3, "factorial": 12}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
 # best value sat on that edge: results/lm/lr-sweep/summary.md flags such arms.
 SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
@@ -202,6 +202,8 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     S = range(seeds)
     if experiment == "main":
         return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
+    if experiment == "factorial":  # the cells of main's arms are main's
+        return [_cell(make_config(profile, a, s)) for s in S for a in FACTORIAL_ARMS]
     if experiment == "lr-sweep":
         return [
             _cell(make_config(profile, arm, s, "sweep", **rates))
@@ -348,12 +350,13 @@ class LMFamily(Family):
     profiles = PROFILES
     experiments = EXPERIMENTS
     experiment_help = {
+        "factorial": "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters",
         "main": "every arm at its tuned rates, 12 paired seeds: validation loss in nats per character",
         "lr-sweep": "each arm's learning rates, scored on held-out training text, in two stages",
         "scaling": "the stiefel-adam lead against the training budget (steps)",
         "lr-stability": "every arm's rates times 1/4 to 64: sensitivity and the largest attention logit",
     }
-    reproduce_order = ("lr-sweep", "main", "scaling", "lr-stability")
+    reproduce_order = ("lr-sweep", "main", "scaling", "lr-stability", "factorial")
     controls_experiment = "main"
     mechanism_experiment = "lr-stability"
     default_data_sha256 = DEFAULT_TEXT_SHA256

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .arms import BOUNDED_ARMS, arm_spec
+from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, arm_spec
 from .family import Family
 from .models import CharGPT
 from .mqar_task import IGNORE, max_pairs, min_seq_len, mqar_batch
@@ -101,8 +101,8 @@ MAIN_ARMS = SEQUENCE_ARMS + BOUNDED_ARMS
 DIFFICULTY_ARMS = ("adamw", "frozen", "stiefel-adam")
 # at most mqar_task.max_pairs(vocab) pairs (distinct keys): 30 is the cpu vocabulary's largest even level
 DIFFICULTY_PAIRS = {"smoke": (2, 4, 6), "cpu": (8, 16, 24, 30), "paper": (8, 16, 32, 64)}
-EXPERIMENTS = ("main", "lr-sweep", "difficulty")
-DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6}
+EXPERIMENTS = ("main", "lr-sweep", "difficulty", "factorial")
+DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "difficulty": 6, "factorial": 12}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
 # best value sat on that edge: results/mqar/lr-sweep/summary.md flags such arms.
 SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
@@ -170,6 +170,8 @@ def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     S = range(seeds)
     if experiment == "main":
         return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
+    if experiment == "factorial":  # the cells of main's arms are main's
+        return [_cell(make_config(profile, a, s)) for s in S for a in FACTORIAL_ARMS]
     if experiment == "lr-sweep":
         return [
             _cell(make_config(profile, arm, s, "val", **rates))
@@ -270,11 +272,12 @@ class MQARFamily(Family):
     profiles = PROFILES
     experiments = EXPERIMENTS
     experiment_help = {
+        "factorial": "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters",
         "main": "every arm at its tuned rates, 12 paired seeds: steps to 99% recall on the test set",
         "lr-sweep": "each arm's learning rates, scored on a validation set, in two stages",
         "difficulty": "the stiefel-adam lead against the number of key-value pairs",
     }
-    reproduce_order = ("lr-sweep", "difficulty", "main")
+    reproduce_order = ("lr-sweep", "difficulty", "main", "factorial")
     controls_experiment = "main"
 
     def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:

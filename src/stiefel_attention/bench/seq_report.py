@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .arms import BOUNDED_ARMS, arm_spec
+from .factorial import FactorialSection, factorial_markdown, factorial_plot, suite_factorial
 from .family import Plan
 from .fmt import fmt_ci, fmt_num, fmt_runs, fmt_seeds
 from .geometry import (
@@ -124,6 +125,8 @@ def lm_summary(experiment: str, records: list[dict]) -> dict:
         summary["scaling"] = lead_summary(records, VAL_LOSS, "steps")
     elif experiment == "lr-stability":
         summary["stability"] = stability_summary(records)
+    elif experiment == "factorial":
+        summary["factorial"] = suite_factorial(records, VAL_LOSS)
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
     return summary
@@ -485,6 +488,8 @@ def lm_markdown(summary: dict, profile: str) -> str:
         lines += decay_markdown(summary["scaling"], digits=3)
     if "stability" in summary:
         lines += stability_markdown(summary["stability"])
+    if "factorial" in summary:
+        lines += factorial_markdown(FactorialSection.from_dict(summary["factorial"]), digits=3)
     for arm, text in sorted(summary.get("samples", {}).items()):
         lines += [f"Sample, {arm}, seed 0 (300 characters at a fixed sampling seed):", "", "```", text, "```", ""]
     lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
@@ -501,6 +506,8 @@ def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str,
             lead_plot(summary["scaling"], exp_dir, made)
         if "stability" in summary:
             stability_plot(summary["stability"], exp_dir, made)
+        if "factorial" in summary:
+            factorial_plot(FactorialSection.from_dict(summary["factorial"]), exp_dir, made)
         return made
 
     return write_experiment(out_dir, experiment, lm_summary(experiment, records), plots, lm_markdown, profile, plan)
@@ -551,6 +558,8 @@ def mqar_summary(experiment: str, records: list[dict]) -> dict:
         }
     elif experiment == "lr-sweep":
         summary["sweep"] = sweep_summary(records, _SWEEP_SCORE, _swept)
+    elif experiment == "factorial":
+        summary["factorial"] = suite_factorial(records, STEPS_TO_SOLVE)
     elif experiment == "difficulty":
         summary["difficulty"] = _difficulty(records)
         summary["sensitivity_by_pairs"] = {}
@@ -589,6 +598,8 @@ def mqar_markdown(summary: dict, profile: str) -> str:
         lines += [f"| {a} | {d['mean']:.2f} | {fmt_num(d['std'], 2)} |" for a, d in summary["final_acc"].items()] + [""]
     if "sweep" in summary:
         lines += sweep_markdown(summary["sweep"], digits=1)
+    if "factorial" in summary:
+        lines += factorial_markdown(FactorialSection.from_dict(summary["factorial"]), digits=0)
     if "difficulty" in summary:
         lines += [
             "| pairs | arm | seeds | solved (>= 99%) | median steps to 99% | final accuracy (%) |",
@@ -626,6 +637,8 @@ def write_mqar_report(out_dir, experiment: str, records: list[dict], profile: st
         if "controls" in summary:
             _curve_plot(records, "eval_acc", "test accuracy at query positions", exp_dir, made, "accuracy.png")
             mechanism_plot(summary["controls"], exp_dir, made)
+        if "factorial" in summary:
+            factorial_plot(FactorialSection.from_dict(summary["factorial"]), exp_dir, made)
         return made
 
     return write_experiment(out_dir, experiment, mqar_summary(experiment, records), plots, mqar_markdown, profile, plan)

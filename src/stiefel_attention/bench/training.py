@@ -12,7 +12,7 @@ from torch import nn
 
 from ..metrics import attention_metrics
 from ..nn import routing_parameters
-from .arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
 from .errors import NotReady
 
 __all__ = [
@@ -113,8 +113,8 @@ SEQUENCE_ARMS = (
     "muon",
     "stiefel-adam-temp",
 )
-# The arms each sequence testbed's sweep tunes: its main arms, and the bounded-logit arms (their own issue)
-SWEPT_ARMS = SEQUENCE_ARMS + BOUNDED_ARMS
+# The arms each sequence testbed's sweep tunes: its main arms, the bounded-logit arms, and the factorial's others
+SWEPT_ARMS = tuple(dict.fromkeys(SEQUENCE_ARMS + BOUNDED_ARMS + FACTORIAL_ARMS))
 # By the rate each arm sweeps (`Arm.swept`): every parameter's lr, or W_Q, W_K's frame_lr.
 LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
 FRAME_LR_GRID = {
@@ -126,6 +126,18 @@ FRAME_LR_GRID = {
     # stiefel-adam's grid with the value its lm sweep had to add past the edge (0.3), fixed before their sweeps
     "stiefel-adam-bounded": (3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
     "stiefel-adam-bounded-temp": (3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
+    # The factorial's arms, fixed before their sweeps. SGD with momentum on ordinary W_Q, W_K: its decay shrinks
+    # them by lr * weight_decay per step, so the grid stops at 1. Manifold Muon's step has spectral norm lr, about
+    # sqrt(r) times StiefelAdam's Frobenius-normalised step per unit rate: stiefel-adam's grid and one below it.
+    # Kong et al.'s Adam is elementwise (a step of about lr per entry): AdamW's scale. Landing: StiefelAdam's.
+    "sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    "qk-norm-sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    "qk-norm-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-muon-bounded": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-sgd-bounded": (0.1, 0.3, 1.0, 3.0, 10.0),
+    "kong-stiefel-adam": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
+    "landing-stiefel-adam": (3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
 }
 
 
