@@ -1,6 +1,6 @@
 """An nn.TransformerEncoder classifier whose attention's W_Q, W_K are Stiefel frames.
 
-    python examples/encoder_classifier.py            # about a minute on a CPU
+    python examples/encoder_classifier.py            # its time on a CPU: docs/performance.md
     python examples/encoder_classifier.py --smoke
 
 The task needs attention: a sequence of random tokens is labelled by whether its first token

@@ -1,6 +1,6 @@
 """Character-level language model trained with FSDP2 (`fully_shard`), W_Q and W_K as Stiefel frames, DCP checkpoints.
 
-    torchrun --nproc-per-node 2 examples/fsdp_lm.py --steps 200                 # CPU (gloo), a few minutes
+    torchrun --nproc-per-node 2 examples/fsdp_lm.py --steps 200                 # CPU (gloo); time: docs/performance.md
     torchrun --nproc-per-node 8 examples/fsdp_lm.py --device cuda --steps 5000   # GPUs (nccl)
     torchrun --nproc-per-node 2 examples/fsdp_lm.py --resume                     # continue from --ckpt-dir
     python examples/fsdp_lm.py --steps 200                                       # one process, no sharding

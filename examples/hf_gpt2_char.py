@@ -1,6 +1,6 @@
 """A Hugging Face GPT-2 on tiny Shakespeare, characters as tokens, with W_Q and W_K as Stiefel frames.
 
-    python examples/hf_gpt2_char.py                 # a few minutes on a CPU
+    python examples/hf_gpt2_char.py                 # its time on a CPU: docs/performance.md
     python examples/hf_gpt2_char.py --steps 20 --smoke
 
 The model is transformers' GPT2LMHeadModel built from a small config (nothing is downloaded);

@@ -21,7 +21,7 @@ def test_replace_block_swaps_only_the_text_between_the_markers(tmp_path):
         replace_block(str(f), "text", "<!-- y:start -->", "<!-- y:end -->")
 
 
-@pytest.mark.parametrize("markers", ["benchmark", "distributed", "grok-speed"])
+@pytest.mark.parametrize("markers", ["benchmark", "distributed", "grok-speed", "front-door"])
 def test_the_performance_page_holds_each_benchmark_block(markers):
     text = (ROOT / "docs" / "performance.md").read_text()
     assert text.count(f"<!-- {markers}:start -->") == 1 and text.count(f"<!-- {markers}:end -->") == 1
@@ -40,3 +40,32 @@ def test_grok_speed_table_projects_20k_epochs_from_the_measured_rate():
     table = grok_speed.markdown_table(result)
     assert "| cpu | p=97, d_model 64, 4 heads of 16, MLP 256 | adamw | 40.0 | 8.3 min |" in table  # 20000 / 40 / 60
     assert "| paper | p=97, d_model 64, 4 heads of 16, MLP 256 | stiefel-adam | 20.0 | 16.7 min |" in table
+
+
+def test_front_door_table_and_readme_line_say_each_time_its_load_and_any_failure():
+    import front_door
+
+    result = {"cpus": 2, "machine": "x86_64", "torch": "2.13.0", "code_version": "abc1234"}
+    row = dict(name="reproduce", command="stiefel-attention reproduce --profile smoke", what="w", returncode=0)
+    result["rows"] = [
+        dict(row, seconds=754.0, load_before=2.0, load_after=3.5),
+        dict(
+            row,
+            name="demo",
+            command="stiefel-attention demo",
+            seconds=21.6,
+            returncode=1,
+            load_before=0.4,
+            load_after=0.6,
+        ),
+    ]
+    table = front_door.markdown_table(result)
+    assert "| `stiefel-attention reproduce --profile smoke` | w | 12.6 min | 2.0 → 3.5 |" in table
+    assert "| `stiefel-attention demo` | w | 22 s (failed, exit 1) | 0.4 → 0.6 |" in table
+    assert front_door.readme_line(result).startswith("12.6 min measured on 2 cores at a load average of 2.0 to 3.5")
+    assert "not measured yet" in front_door.readme_line(dict(result, rows=result["rows"][1:]))
+
+
+def test_the_readme_holds_the_smoke_time_block_the_front_door_benchmark_writes():
+    text = (ROOT / "README.md").read_text()
+    assert text.count("<!-- smoke-time:start -->") == 1 and text.count("<!-- smoke-time:end -->") == 1
