@@ -211,3 +211,35 @@ def test_every_command_defaults_to_the_smoke_profile_so_only_a_named_cpu_profile
     args = parser.parse_args(argv)
     assert args.profile == "smoke" and cli.default_results_dir(args.profile) == Path("results-smoke")
     assert cli.default_results_dir("cpu") == Path("results")
+
+
+def test_a_registered_family_is_listed_refused_in_worker_processes_and_removed_again(tmp_path, capsys):
+    from stiefel_attention.bench.family import Family, register_family, unregister_family
+    from stiefel_attention.bench.records import Cell
+
+    class Tiny(Family):
+        name, title, help = "tiny", "Tiny", "a family defined in a test"
+        profiles = {"smoke": {}, "cpu": {}, "paper": {}}
+        experiments = ("main",)
+        experiment_help = {"main": "one cell"}
+
+        def cells(self, experiment, profile, seeds=None, **options):
+            return [Cell(self.name, "adamw-s0", dict(profile=profile, arm="adamw", seed=0))]
+
+    register_family(Tiny())
+    try:
+        with pytest.raises(ValueError, match="a family named 'tiny' exists already"):
+            register_family(Tiny())
+        assert cli.main(["list", "tiny"]) == 0
+        assert (
+            "tiny: a family defined in a test\n  --experiment main: one cell\n      smoke: 1 runs"
+            in capsys.readouterr().out
+        )
+        assert cli.main(["tiny", "--experiment", "main", "--out", str(tmp_path / "t"), "--jobs", "2"]) == 2
+        assert "run it with --jobs 1" in capsys.readouterr().err and not (tmp_path / "t" / "runs").exists()
+    finally:
+        unregister_family("tiny")
+    with pytest.raises(ValueError, match="unknown experiment family 'tiny'; registered: cifar, grok, lm, mqar"):
+        get_family("tiny")
+    with pytest.raises(ValueError, match="must set title"):
+        register_family(type("Untitled", (Tiny,), {"title": ""})())

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .family import FAMILY_MODULES, Family, UserError, all_families, get_family, with_data
+from .family import FAMILY_MODULES, Family, UserError, all_families, family_names, get_family, with_data
 
 EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
@@ -360,9 +360,14 @@ def run_experiment(request: RunRequest) -> int:
     """Run the request's missing cells after the checks that need no run (folder, data, reportability), then
     write the experiment's summary of the folder; 1 if a run failed."""
     from .report import load_records
-    from .runner import run_cells
+    from .runner import InlineExecutor, run_cells
 
     family, out = request.family, request.out
+    if family.name not in FAMILY_MODULES and not isinstance(request.executor, InlineExecutor):
+        raise UserError(
+            f"{family.name} was added by register_family in this process, and worker processes start without it: "
+            "run it with --jobs 1 (in this process)"
+        )
     what = f"{family.name} --experiment {request.experiment}"
     cells = with_data(_seed_cells(request), {"settings": request.settings} if request.settings else {})
     chosen = _chosen_arms(request.arms, cells, what)
@@ -524,16 +529,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise UserError(
             f"{args.dir} is not a folder (expected a results folder with <family>/runs inside, e.g. results)"
         )
-    if not any((where / name / "runs").is_dir() for name in FAMILY_MODULES):
+    if not any((where / name / "runs").is_dir() for name in family_names()):
         if not (where / "runs").is_dir():
             raise UserError(
                 f"{args.dir} holds no run records: expected a results folder with <family>/runs inside "
-                f"({', '.join(FAMILY_MODULES)}; e.g. results) or one family's folder with runs/ inside "
+                f"({', '.join(family_names())}; e.g. results) or one family's folder with runs/ inside "
                 "(e.g. results/grok)"
             )
         # one family's folder (what --out of a family command names): rebuild its summaries
         names = {r["family"] for r in load_records(where / "runs")} or {where.name}
-        if len(names) != 1 or not names <= set(FAMILY_MODULES):
+        if len(names) != 1 or not names <= set(family_names()):
             raise UserError(f"{where / 'runs'} holds records of {', '.join(sorted(names))}: expected one family's")
         family = get_family(names.pop())
         for path in rebuild_family(where, family, args.leave_out_unplanned):

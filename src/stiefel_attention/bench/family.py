@@ -3,7 +3,9 @@
 A family (CIFAR-10 patches, grokking, ...) is one module that defines a `Family` subclass and a
 module-level `FAMILY` instance: its profiles and named experiments, the cells of each experiment,
 how one cell runs, and how an experiment's records become a summary, markdown, plots and claim
-rows. Nothing outside a family's own module branches on its name.
+rows. Nothing outside a family's own module branches on its name. The suite's own families are the
+modules of FAMILY_MODULES; a testbed defined anywhere else joins them with `register_family`
+(docs/benchmarks.md, "Adding a testbed").
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ __all__ = [
     "all_families",
     "check_data",
     "data_of",
+    "family_names",
     "get_family",
+    "register_family",
+    "unregister_family",
     "with_data",
 ]
 
@@ -237,12 +242,42 @@ def with_data(cells: list[Cell], data: dict) -> list[Cell]:
     ]
 
 
+_REGISTERED: dict[str, Family] = {}  # testbeds defined outside this package, for this process
+
+
+def register_family(family: Family) -> Family:
+    """Make a Family defined outside this package a testbed of this process: its command, `list`, `report`
+    and `reproduce` then treat it as one of the suite's. A name already taken, or a family without the
+    attributes every family sets, is refused."""
+    missing = [a for a in ("name", "title", "help", "profiles", "experiments") if not getattr(family, a, None)]
+    if missing:
+        raise ValueError(f"a family must set {', '.join(missing)} (see bench.family.Family)")
+    if family.name in family_names():
+        raise ValueError(f"a family named {family.name!r} exists already; families: {', '.join(family_names())}")
+    _REGISTERED[family.name] = family
+    return family
+
+
+def unregister_family(name: str) -> None:
+    """Remove a family that `register_family` added (the suite's own stay)."""
+    if name not in _REGISTERED:
+        raise ValueError(f"{name!r} was not added by register_family; added: {', '.join(_REGISTERED) or 'none'}")
+    del _REGISTERED[name]
+
+
+def family_names() -> tuple[str, ...]:
+    """Every family's name: the suite's own, then those registered in this process."""
+    return (*FAMILY_MODULES, *_REGISTERED)
+
+
 def get_family(name: str) -> Family:
-    """The registered family of that name; a clear error naming the registered ones otherwise."""
+    """The family of that name; a clear error naming every family otherwise."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     if name not in FAMILY_MODULES:
-        raise ValueError(f"unknown experiment family {name!r}; registered: {', '.join(FAMILY_MODULES)}")
+        raise ValueError(f"unknown experiment family {name!r}; registered: {', '.join(family_names())}")
     return importlib.import_module(f"{__package__}.{name}").FAMILY
 
 
 def all_families() -> list[Family]:
-    return [get_family(name) for name in FAMILY_MODULES]
+    return [get_family(name) for name in family_names()]
