@@ -25,21 +25,18 @@ import torch.nn.functional as F
 
 from ..nn import qk_clip, reset_logit_stats
 from ..optim import NonFiniteGradientError
-from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, arm_spec
+from .arms import BOUNDED_ARMS, arm_spec
 from .errors import NotReady
-from .family import Family, check_data
+from .family import check_data
 from .models import CharGPT
 from .records import Cell
 from .seq_report import write_lm_report
+from .sequence import SequenceFamily
 from .text import DEFAULT_TEXT_SHA256, check_windows, fixed_windows, load_text, random_windows
 from .training import (
     SEQUENCE_ARMS,
     Trainer,
-    anchor_lr,
-    default_seeds,
     log_mechanism,
-    sweep_note,
-    sweep_points,
     tuned_rates,
 )
 
@@ -197,35 +194,7 @@ def _cell(cfg: dict) -> Cell:
 
 
 def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
-    if seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {seeds}")
-    S = range(seeds)
-    if experiment == "main":
-        return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
-    if experiment == "factorial":  # the cells of main's arms are main's
-        return [_cell(make_config(profile, a, s)) for s in S for a in FACTORIAL_ARMS]
-    if experiment == "lr-sweep":
-        return [
-            _cell(make_config(profile, arm, s, "sweep", **rates))
-            for arm, rates in sweep_points(profile, SWEEP_EXTENSIONS.get(profile), anchor_lr(PROFILES, profile))
-            for s in S
-        ]
-    if experiment == "lr-stability":
-        return [
-            _cell(stability_config(profile, arm, s, m, clip))
-            for s in S
-            for m in LR_MULTIPLIERS[profile]
-            for arm, clip in STABILITY_RUNS
-        ]
-    if experiment == "scaling":
-        steps = PROFILES[profile]["steps"]
-        return [
-            _cell(make_config(profile, a, s, steps=round(f * steps)))
-            for f in SCALING_STEPS
-            for s in S
-            for a in ("adamw", "stiefel-adam")
-        ]
-    raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(EXPERIMENTS)}")
+    return FAMILY.cells(experiment, profile, seeds)
 
 
 @lru_cache(maxsize=2)
@@ -343,7 +312,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     }
 
 
-class LMFamily(Family):
+class LMFamily(SequenceFamily):
     name = "lm"
     title = "character-level LM (tiny Shakespeare)"
     help = "character-level language modelling on tiny Shakespeare (or any UTF-8 text)"
@@ -360,6 +329,12 @@ class LMFamily(Family):
     controls_experiment = "main"
     mechanism_experiment = "lr-stability"
     default_data_sha256 = DEFAULT_TEXT_SHA256
+    main_arms = MAIN_ARMS
+    default_seeds = DEFAULT_SEEDS
+    sweep_extensions = SWEEP_EXTENSIONS
+    sweep_split = "sweep"
+    config = staticmethod(make_config)
+    cell = staticmethod(_cell)
 
     def add_arguments(self, parser) -> None:
         self.add_reproduce_arguments(parser)
@@ -374,8 +349,23 @@ class LMFamily(Family):
             "data/tinyshakespeare.txt or ../shared/datasets/tinyshakespeare.txt)",
         )
 
-    def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
-        return cells(experiment, profile, default_seeds(DEFAULT_SEEDS, experiment, profile) if seeds is None else seeds)
+    def own_cells(self, experiment: str, profile: str, seeds: range) -> list[Cell] | None:
+        if experiment == "lr-stability":
+            return [
+                _cell(stability_config(profile, arm, s, m, clip))
+                for s in seeds
+                for m in LR_MULTIPLIERS[profile]
+                for arm, clip in STABILITY_RUNS
+            ]
+        if experiment == "scaling":
+            steps = PROFILES[profile]["steps"]
+            return [
+                _cell(make_config(profile, a, s, steps=round(f * steps)))
+                for f in SCALING_STEPS
+                for s in seeds
+                for a in ("adamw", "stiefel-adam")
+            ]
+        return None
 
     def run_options(self, args) -> dict:
         corpus = cached_text(getattr(args, "text", None))
@@ -388,9 +378,6 @@ class LMFamily(Family):
 
     def describe(self, run_options: dict) -> str:
         return f"text {run_options['data']}"
-
-    def plan_note(self, experiment: str, profile: str) -> str:
-        return sweep_note(self.name, PROFILES, profile) if experiment == "lr-sweep" else ""
 
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)

@@ -16,20 +16,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, arm_spec
-from .family import Family
+from .arms import BOUNDED_ARMS, arm_spec
 from .models import CharGPT
 from .mqar_task import IGNORE, max_pairs, min_seq_len, mqar_batch
 from .records import Cell
 from .seq_report import write_mqar_report
+from .sequence import SequenceFamily
 from .training import (
     SEQUENCE_ARMS,
     Trainer,
-    anchor_lr,
-    default_seeds,
     log_mechanism,
-    sweep_note,
-    sweep_points,
     tuned_rates,
 )
 
@@ -165,27 +161,7 @@ def _cell(cfg: dict) -> Cell:
 
 
 def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
-    if seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {seeds}")
-    S = range(seeds)
-    if experiment == "main":
-        return [_cell(make_config(profile, a, s)) for s in S for a in MAIN_ARMS]
-    if experiment == "factorial":  # the cells of main's arms are main's
-        return [_cell(make_config(profile, a, s)) for s in S for a in FACTORIAL_ARMS]
-    if experiment == "lr-sweep":
-        return [
-            _cell(make_config(profile, arm, s, "val", **rates))
-            for arm, rates in sweep_points(profile, SWEEP_EXTENSIONS.get(profile), anchor_lr(PROFILES, profile))
-            for s in S
-        ]
-    if experiment == "difficulty":
-        return [
-            _cell(make_config(profile, a, s, n_pairs=k))
-            for k in DIFFICULTY_PAIRS[profile]
-            for s in S
-            for a in DIFFICULTY_ARMS
-        ]
-    raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(EXPERIMENTS)}")
+    return FAMILY.cells(experiment, profile, seeds)
 
 
 def _task(cfg: dict, batch: int, generator: torch.Generator):
@@ -265,7 +241,7 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
     }
 
 
-class MQARFamily(Family):
+class MQARFamily(SequenceFamily):
     name = "mqar"
     title = "multi-query associative recall"
     help = "multi-query associative recall (Zoology's MQAR), generated in memory"
@@ -279,12 +255,22 @@ class MQARFamily(Family):
     }
     reproduce_order = ("lr-sweep", "difficulty", "main", "factorial")
     controls_experiment = "main"
+    main_arms = MAIN_ARMS
+    default_seeds = DEFAULT_SEEDS
+    sweep_extensions = SWEEP_EXTENSIONS
+    sweep_split = "val"
+    config = staticmethod(make_config)
+    cell = staticmethod(_cell)
 
-    def cells(self, experiment: str, profile: str, seeds: int | None = None, **options) -> list[Cell]:
-        return cells(experiment, profile, default_seeds(DEFAULT_SEEDS, experiment, profile) if seeds is None else seeds)
-
-    def plan_note(self, experiment: str, profile: str) -> str:
-        return sweep_note(self.name, PROFILES, profile) if experiment == "lr-sweep" else ""
+    def own_cells(self, experiment: str, profile: str, seeds: range) -> list[Cell] | None:
+        if experiment == "difficulty":
+            return [
+                _cell(make_config(profile, a, s, n_pairs=k))
+                for k in DIFFICULTY_PAIRS[profile]
+                for s in seeds
+                for a in DIFFICULTY_ARMS
+            ]
+        return None
 
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)

@@ -1,0 +1,60 @@
+"""What the two sequence testbeds (lm, mqar) share: the experiments in which every arm runs (main, the two-stage
+lr-sweep, the geometry x optimizer factorial), planned one way, and the Family shell around them. Each testbed
+supplies its profiles, its config and cell names, its own experiments, how a cell runs and its report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .arms import FACTORIAL_ARMS
+from .family import Family
+from .records import Cell
+from .training import anchor_lr, default_seeds, sweep_note, sweep_points
+
+__all__ = ["SequenceFamily"]
+
+
+class SequenceFamily(Family):
+    """A sequence testbed. Besides Family's attributes a subclass sets:
+
+    main_arms: the arms of `main` (12 paired seeds by default);
+    default_seeds: each experiment's paired seeds at the cpu and paper profiles;
+    sweep_extensions: per profile, arm -> values its sweep adds past an edge of the arm's grid;
+    sweep_split: the split a sweep run scores on (never the result's);
+    config: make_config(profile, arm, seed, split, **overrides) -> config;
+    cell: config -> Cell (its readable name).
+
+    and may plan experiments of its own in `own_cells`."""
+
+    main_arms: tuple[str, ...] = ()
+    default_seeds: dict[str, int] = {}
+    sweep_extensions: dict[str, dict[str, tuple[float, ...]]] = {}
+    sweep_split: str = "val"
+    config: Callable[..., dict]
+    cell: Callable[[dict], Cell]
+
+    def own_cells(self, experiment: str, profile: str, seeds: range) -> list[Cell] | None:
+        """The cells of an experiment only this testbed has; None for an experiment it does not know."""
+        return None
+
+    def cells(self, experiment: str, profile: str, seeds: int | None = None, **options: Any) -> list[Cell]:
+        seeds = default_seeds(self.default_seeds, experiment, profile) if seeds is None else seeds
+        if seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {seeds}")
+        S = range(seeds)
+        if experiment == "main":
+            return [self.cell(self.config(profile, a, s)) for s in S for a in self.main_arms]
+        if experiment == "factorial":  # the cells of main's arms are main's
+            return [self.cell(self.config(profile, a, s)) for s in S for a in FACTORIAL_ARMS]
+        if experiment == "lr-sweep":
+            points = sweep_points(profile, self.sweep_extensions.get(profile), anchor_lr(self.profiles, profile))
+            split = self.sweep_split
+            return [self.cell(self.config(profile, arm, s, split, **rates)) for arm, rates in points for s in S]
+        own = self.own_cells(experiment, profile, S)
+        if own is None:
+            raise ValueError(f"unknown experiment {experiment!r}; choose one of {', '.join(self.experiments)}")
+        return own
+
+    def plan_note(self, experiment: str, profile: str) -> str:
+        return sweep_note(self.name, self.profiles, profile) if experiment == "lr-sweep" else ""
