@@ -69,3 +69,37 @@ def test_front_door_table_and_readme_line_say_each_time_its_load_and_any_failure
 def test_the_readme_holds_the_smoke_time_block_the_front_door_benchmark_writes():
     text = (ROOT / "README.md").read_text()
     assert text.count("<!-- smoke-time:start -->") == 1 and text.count("<!-- smoke-time:end -->") == 1
+
+
+def test_each_rules_floor_issues_exactly_the_products_its_step_issues():
+    import torch
+
+    from optimizer_step import _product_floors, count_products
+    from stiefel_attention import LandingStiefelAdam, StiefelAdam, StiefelMuon, random_frame
+    from stiefel_attention.bench.kong import KongStiefelAdam
+
+    gen = torch.Generator().manual_seed(0)
+    frames = [random_frame(3, d=40, r=4, generator=gen) for _ in range(2)]
+    grads = [torch.randn(f.shape, generator=gen) * 1e-2 for f in frames]
+
+    def stepper(make):
+        params = [f.clone().requires_grad_() for f in frames]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        return make(params).step
+
+    steps = {
+        "StiefelAdam(max_step=0.1)": stepper(lambda p: StiefelAdam(p, lr=1e-2, max_step=0.1)),
+        "StiefelMuon": stepper(lambda p: StiefelMuon(p, lr=1e-2)),
+        "LandingStiefelAdam": stepper(lambda p: LandingStiefelAdam(p, lr=1e-2, max_step=0.1)),
+        "Kong et al. Stiefel Adam": stepper(lambda p: KongStiefelAdam(p, lr=1e-3)),
+    }
+    counts = {name: count_products(step, 40) for name, step in steps.items()}
+    # the update rule's five d-sized products per frame tensor (optim.py's docstring), and the others' counts
+    assert counts["StiefelAdam(max_step=0.1)"] == (3 * 2, 2 * 2)
+    assert counts["LandingStiefelAdam"] == counts["Kong et al. Stiefel Adam"] == (5 * 2, 7 * 2)
+    assert counts["StiefelMuon"][0] > 4 * 2  # its inner solve's iterations add products
+    floors = _product_floors(frames, grads, counts)
+    assert {name: count_products(fn, 40) for name, fn in floors.items()} == {
+        f"floor of {n}": c for n, c in counts.items()
+    }

@@ -3,7 +3,15 @@
 from .convert import register_adapter, reset_frames, stiefelize, unstiefelize
 from .manifold import isometry_error, polar_retract, project_tangent, random_frame
 from .nn import Block, StiefelAttention, frames, qk_clip, qk_matrices, qk_parameters, reset_logit_stats
-from .optim import FrameStepError, NonFiniteGradientError, StiefelAdam, StiefelMuon, StiefelSGD, param_groups
+from .optim import (
+    FrameStepError,
+    LandingStiefelAdam,
+    NonFiniteGradientError,
+    StiefelAdam,
+    StiefelMuon,
+    StiefelSGD,
+    param_groups,
+)
 
 __version__ = "0.1.0"
 
@@ -20,6 +28,7 @@ __all__ = [
     "qk_parameters",
     "reset_logit_stats",
     "FrameStepError",
+    "LandingStiefelAdam",
     "NonFiniteGradientError",
     "StiefelAdam",
     "StiefelMuon",
