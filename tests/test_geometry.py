@@ -398,3 +398,42 @@ def test_the_high_learning_rate_section_answers_the_bounded_logit_questions_with
     assert "- Does it need the frames? **no**." in lines
     largest = "adamw-bounded 31.5 (bound 16.0); stiefel-adam-bounded 9.2 (bound 16.0)"
     assert f"- The largest attention logit over every multiplier, against the bound: {largest}." in lines
+
+
+def test_the_bounded_frames_are_placed_against_adamw_and_the_plain_frames_at_their_tuned_rates(tmp_path):
+    import json
+
+    from stiefel_attention.bench.geometry import mechanism_section
+
+    (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
+    (tmp_path / "mqar" / "main").mkdir(parents=True)
+    bounded = {"verdict": {"qk-norm": "yes", "frames": "yes", "needs frames": "yes"}, "bounds": {}, "largest": {}}
+    stability = {
+        "labels": [], "sensitivity": {}, "sensitivity_vs_adamw": [], "verdict": "partly", "bounded": bounded,
+        "precondition": {"met": True, "text": "grows"},
+    }  # fmt: skip
+    (tmp_path / "lm" / "lr-stability" / "summary.json").write_text(json.dumps({"stability": stability}))
+
+    def comparison(arm, baseline, diffs):
+        from stiefel_attention.bench.stats import paired_comparison
+
+        return {**paired_comparison(diffs, [0.0] * len(diffs)), "arm": arm, "baseline": baseline}
+
+    controls = {
+        "measure": {"name": "steps to 99%", "unit": "steps", "higher_is_better": False},
+        "comparisons": [
+            comparison("stiefel-adam-bounded", "adamw", [100.0, 120.0, 90.0, 110.0]),  # behind: more steps
+            comparison("stiefel-adam", "stiefel-adam-bounded", [10.0, -6.0, 5.0, -5.0]),  # level, stated reversed
+        ],
+    }
+    (tmp_path / "mqar" / "main" / "summary.json").write_text(json.dumps({"controls": controls}))
+    lines = mechanism_section(tmp_path, [("lm", "char LM", "lr-stability")], [("mqar", "recall", "main")])
+    adamw = [line for line in lines if "stiefel-adam-bounded against adamw" in line]
+    frames = [line for line in lines if "stiefel-adam-bounded against stiefel-adam" in line]
+    assert adamw == ["- At the tuned rate, stiefel-adam-bounded against adamw (paired by seed): recall: behind adamw "
+                     "(+105 steps [+84, +126], 4 seeds, p_W=0.12)."]  # fmt: skip
+    assert frames[0].startswith("- At the tuned rate, stiefel-adam-bounded against stiefel-adam (paired by seed): "
+                                "recall: level with stiefel-adam (-1 steps")  # fmt: skip
+    assert mechanism_section(tmp_path, [("lm", "char LM", "lr-stability")]) == [
+        line for line in lines if "At the tuned rate" not in line
+    ]  # without controls, no such line

@@ -556,11 +556,14 @@ def _standing_words(c: dict, at: int | None) -> str:
     return "untested" if at is None else f"{c['arm']} {STANDING_WORDS[at]} {c['baseline']}"
 
 
-def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | None]]) -> list[str]:
+def mechanism_section(
+    results_dir: Path, testbeds: list[tuple[str, str, str | None]], controls: list[tuple[str, str, str | None]] = ()
+) -> list[str]:
     """REPORT.md lines of "The mechanism, by intervention": first one paragraph with each testbed's computed
     answer (is the logit scale the mechanism; do the frames buy high-learning-rate stability), then per testbed
     with an interventions or stability summary, its computed verdicts and the figure. testbeds: (family folder,
-    title, its mechanism experiment or None)."""
+    title, its mechanism experiment or None); controls: (family folder, title, its controls experiment or None),
+    whose comparisons say where the bounded frames stand at their tuned rates."""
     lines, answers = [], []
     for family, title, experiment in testbeds:
         summary = _load(results_dir / family / str(experiment) / "summary.json") if experiment else None
@@ -601,7 +604,7 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
                 answers.append(
                     f"does bounding the whole logit buy qk-norm's stability? {bounded['verdict']['qk-norm']}"
                 )
-                lines += _bounded_lines(bounded)
+                lines += _bounded_lines(bounded, _bounded_at_tuned_rates(results_dir, controls))
             if "lr_stability.png" in summary.get("plots", []):
                 lines += [
                     f"![loss and largest attention logit against the learning rate]({where}/lr_stability.png)",
@@ -612,9 +615,41 @@ def mechanism_section(results_dir: Path, testbeds: list[tuple[str, str, str | No
     return ["The mechanism in one paragraph, from the computed verdicts below: " + "; ".join(answers) + ".", "", *lines]
 
 
-def _bounded_lines(bounded: dict) -> list[str]:
-    """REPORT's answers for the bounded-logit arms (seq_report._bounded_summary): three computed verdicts and the
-    largest logit of each against its bound by construction."""
+BOUNDED_FRAMES = "stiefel-adam-bounded"
+
+
+def _bounded_at_tuned_rates(results_dir: Path, controls: list[tuple[str, str, str | None]]) -> dict[str, list[str]]:
+    """Where the bounded frames stand at their tuned rates, per testbed with a controls summary that has them:
+    against adamw, and against the plain frames (each: standing words and the paired difference)."""
+    found: dict[str, list[str]] = {"adamw": [], "stiefel-adam": []}
+    for family, title, experiment in controls:
+        summary = (_load(results_dir / family / str(experiment) / "summary.json") or {}).get("controls")
+        if not summary:
+            continue
+        m = summary["measure"]
+        for c in summary["comparisons"]:
+            pair = (c["arm"], c["baseline"])
+            if pair not in ((BOUNDED_FRAMES, "adamw"), ("stiefel-adam", BOUNDED_FRAMES)) or c["n_seeds"] < 2:
+                continue
+            if pair[0] == "stiefel-adam":  # stated as bounded - stiefel-adam
+                c = {**c, "mean_diff": 0.0 - c["mean_diff"], "ci95": [0.0 - c["ci95"][1], 0.0 - c["ci95"][0]]}
+            at = standing(c, m["higher_is_better"])
+            digits = 0 if m["unit"] in ("steps", "epochs") else 3 if m["unit"].startswith("nats") else 2
+            other = "adamw" if pair[1] == "adamw" else "stiefel-adam"
+            found[other].append(f"{title}: {STANDING_WORDS[at]} {other} ({fmt_diff(c, m['unit'], digits)})")
+    return found
+
+
+def _bounded_lines(bounded: dict, tuned: dict[str, list[str]] | None = None) -> list[str]:
+    """REPORT's answers for the bounded-logit arms (seq_report._bounded_summary): three computed verdicts, the
+    largest logit of each against its bound by construction, and where the bounded frames stand at their tuned
+    rates in each testbed's controls (`_bounded_at_tuned_rates`)."""
+    tuned = tuned or {}
+    at_rate = [
+        f"- At the tuned rate, {BOUNDED_FRAMES} against {other} (paired by seed): {'; '.join(said)}."
+        for other, said in tuned.items()
+        if said
+    ]
     verdict = bounded["verdict"]
     largest = "; ".join(
         f"{label} {bounded['largest'][label]:.1f} ({'no bound' if bound is None else f'bound {bound:.1f}'})"
@@ -628,6 +663,7 @@ def _bounded_lines(bounded: dict) -> list[str]:
         f"- Does it make the frames more stable? **{verdict['frames']}**.",
         f"- Does it need the frames? **{verdict['needs frames']}**.",
         f"- The largest attention logit over every multiplier, against the bound: {largest or 'not measured'}.",
+        *at_rate,
         "",
     ]
 

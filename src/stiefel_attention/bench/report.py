@@ -296,7 +296,11 @@ def write_claims_report(
     testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
     geometry = geometry_section(results_dir, testbeds, beside)
     lines += ["", *geometry] if geometry else []
-    mechanism = mechanism_section(results_dir, [(f.name, f.title, f.mechanism_experiment) for f in all_families()])
+    mechanism = mechanism_section(
+        results_dir,
+        [(f.name, f.title, f.mechanism_experiment) for f in all_families()],
+        [(f.name, f.title, f.controls_experiment) for f in all_families()],
+    )
     lines += mechanism
     report = results_dir / "REPORT.md"
     report.write_text("\n".join(lines) + "\n")
@@ -388,7 +392,11 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
     for title, said in verdicts_by_testbed(results_dir, testbeds):
         clauses = [c for c in said.split("; ") if not c.startswith("mechanism:")]
         lines.append(f"- [When does the geometry dominate?]({anchor}) {title}: {'; '.join(clauses[:4])}")
-    mechanism = mechanism_section(results_dir, [(f.name, f.title, f.mechanism_experiment) for f in all_families()])
+    mechanism = mechanism_section(
+        results_dir,
+        [(f.name, f.title, f.mechanism_experiment) for f in all_families()],
+        [(f.name, f.title, f.controls_experiment) for f in all_families()],
+    )
     if mechanism:
         answers = mechanism[0].split(": ", 1)[-1]
         lines.append(f"- [The mechanism]({anchor.split('#')[0]}#the-mechanism-by-intervention-{_slug(mechanism)}): "
