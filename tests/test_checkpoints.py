@@ -186,7 +186,7 @@ def text(tmp_path):
 def test_a_pretrained_checkpoint_whose_bytes_changed_is_remade_never_used(tmp_path, text, capsys):
     pytest.importorskip("transformers")
     from stiefel_attention.bench import pretrained as P
-    from stiefel_attention.bench.lm import cached_text
+    from stiefel_attention.bench.text import cached_text
 
     corpus, recipe, cpu = cached_text(text), P.pretrain_recipe("smoke", "gpt2"), torch.device("cpu")
     path, info, state = P.checkpoint(recipe, corpus, tmp_path, cpu)

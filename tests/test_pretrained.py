@@ -15,7 +15,7 @@ from helpers import smoke_args  # noqa: E402
 from stiefel_attention.bench import cli  # noqa: E402
 from stiefel_attention.bench import pretrained as P  # noqa: E402
 from stiefel_attention.bench.errors import UserError  # noqa: E402
-from stiefel_attention.bench.lm import cached_text  # noqa: E402
+from stiefel_attention.bench.text import cached_text  # noqa: E402
 
 
 @pytest.fixture

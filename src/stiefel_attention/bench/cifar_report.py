@@ -14,6 +14,7 @@ from .family import Plan
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
 from .geometry import (
     Measure,
+    compare,
     controls_markdown,
     controls_summary,
     decay_markdown,
@@ -22,7 +23,7 @@ from .geometry import (
     mechanism_plot,
 )
 from .report import comparison_rows, verdict, write_experiment
-from .stats import describe, paired_comparison
+from .stats import describe
 
 __all__ = ["cifar_summary", "summary_markdown", "write_cifar_report", "claim_rows", "movement_vs_lr"]
 
@@ -41,16 +42,6 @@ def _by_arm_seed(records: list[dict], label) -> dict[str, dict[int, float]]:
     return table
 
 
-def _compare(table: dict[str, dict[int, float]], arm: str, baseline: str) -> dict | None:
-    if arm not in table or baseline not in table:
-        return None
-    seeds = sorted(set(table[arm]) & set(table[baseline]))
-    st = paired_comparison([table[arm][s] for s in seeds], [table[baseline][s] for s in seeds])
-    st["seeds"] = seeds
-    st["diffs"] = [table[arm][s] - table[baseline][s] for s in seeds]
-    return st
-
-
 def cifar_summary(experiment: str, records: list[dict]) -> dict:
     """Per-arm accuracy and paired comparisons (percentage points) for one CIFAR experiment."""
     summary: dict = {"experiment": experiment, "n_records": len(records), "comparisons": [], "arms": {}}
@@ -66,7 +57,7 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
                 if a not in ("eps=1e-08", "eps=0.1")
             ]
         for comp in comps:
-            st = _compare(table, comp["arm"], comp["baseline"])
+            st = compare(table, comp["arm"], comp["baseline"])
             if st is not None:
                 summary["comparisons"].append({**comp, **st, "verdict": verdict(comp["kind"], comp["paper"], st)})
     elif experiment == "scaling":
@@ -76,7 +67,7 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
         for n in sorted(by_n):
             table = _by_arm_seed(by_n[n], lambda c: c["arm"])
             summary["arms"][str(n)] = {arm: describe(list(v.values())) for arm, v in sorted(table.items())}
-            st = _compare(table, "stiefel-adam", "adamw")
+            st = compare(table, "stiefel-adam", "adamw")
             if st is not None:
                 paper = claims.CIFAR_SCALING_PAPER.get(n)
                 kind = "effect" if paper is not None else "control"
@@ -85,17 +76,9 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
                     if paper is not None
                     else "measured only: the paper gives no number at this n"
                 )
+                head = dict(n_train=n, kind=kind, paper=paper, text=claims.CIFAR_SCALING_TEXT)
                 summary["comparisons"].append(
-                    dict(
-                        arm="stiefel-adam",
-                        baseline="adamw",
-                        n_train=n,
-                        kind=kind,
-                        paper=paper,
-                        text=claims.CIFAR_SCALING_TEXT,
-                        **st,
-                        verdict=said,
-                    )
+                    {"arm": st["arm"], "baseline": st["baseline"], **head, **st, "verdict": said}
                 )
         leads = [(c["n_train"], c["mean_diff"]) for c in summary["comparisons"]]
         if len(leads) >= 2:

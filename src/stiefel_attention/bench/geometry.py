@@ -138,16 +138,25 @@ def mechanism_curves(records: list[dict], label=lambda c: c["arm"]) -> dict[str,
         curves: dict = {"x_name": x_name, "x": recs[0]["curves"][x_name][:n], "n_seeds": len(recs)}
         for name in PLOTTED_METRICS:
             per_seed = [
-                [_mean([layer[0] for layer in point]) for point in r["curves"]["mechanism"][name][:n]] for r in recs
+                [_mean_finite([layer[0] for layer in point]) for point in r["curves"]["mechanism"][name][:n]]
+                for r in recs
             ]
-            curves[name] = [_mean([s[i] for s in per_seed]) for i in range(n)]
+            curves[name] = [_mean_finite([s[i] for s in per_seed]) for i in range(n)]
         out[arm] = curves
     return out
 
 
-def _mean(xs: list) -> float | None:
+def _mean_finite(xs: list) -> float | None:
+    """The mean of the finite values among xs (None where there is none)."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return sum(xs) / len(xs) if xs else None
+
+
+def peak(rec: dict, name: str) -> float | None:
+    """The largest value over training of a mechanism metric's largest head (max over layers), or None."""
+    points = rec["curves"].get("mechanism", {}).get(name) or []
+    vals = [layer[2] for point in points for layer in point if layer[2] is not None]
+    return max(vals) if vals else None
 
 
 def controls_summary(records: list[dict], measure: Measure) -> dict:

@@ -27,8 +27,8 @@ from ..metrics import attention_metrics
 from ..nn import qk_clip, qk_matrices, reset_logit_stats
 from .arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
 from .family import Family
-from .grok_interventions import INTERVENTION_KEYS, PROTOCOL_SEEDS, intervention_tag
-from .grok_report import GROK_THRESHOLD, SLINGSHOT_OPS, claim_rows, write_grok_report
+from .grok_protocol import GROK_THRESHOLD, INTERVENTION_KEYS, PROTOCOL_SEEDS, SLINGSHOT_OPS, intervention_tag
+from .grok_report import claim_rows, write_grok_report
 from .models import ModularTransformer
 from .modular import modular_task
 from .records import Cell

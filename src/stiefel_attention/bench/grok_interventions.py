@@ -15,10 +15,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
-from .geometry import Measure, compare, standing
+from .geometry import Measure, compare, peak, standing
+from .grok_protocol import INTERVENTION_KEYS, intervention_tag
 from .stats import describe
-
-PROTOCOL_SEEDS = 5  # paired seeds of the interventions experiment (grok.DEFAULT_SEEDS takes it from here)
 
 __all__ = [
     "INTERVENTION_KEYS",
@@ -30,15 +29,7 @@ __all__ = [
     "variant",
 ]
 
-INTERVENTION_KEYS = ("qk_clip", "logit_softcap", "logit_scale")  # config keys, present only when set
-_TAGS = {"qk_clip": "clip", "logit_softcap": "softcap", "logit_scale": "scale"}
-
 BASELINES = ("adamw", "stiefel-adam")
-
-
-def intervention_tag(config: dict) -> str:
-    """'' for a plain run; e.g. '+clip2', '+softcap8', '+scale0' for an intervention's."""
-    return "".join(f"+{_TAGS[k]}{config[k]:g}" for k in INTERVENTION_KEYS if k in config)
 
 
 def variant(config: dict) -> str:
@@ -55,14 +46,8 @@ def _mechanism_at_end(rec: dict, name: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _peak_logit(rec: dict) -> float | None:
-    """The largest attention logit over training: max over evaluations of the per-layer largest head."""
-    points = rec["curves"].get("mechanism", {}).get("max_logit") or []
-    vals = [layer[2] for point in points for layer in point if layer[2] is not None]
-    return max(vals) if vals else None
-
-
-def _mean(xs) -> float | None:
+def _mean_present(xs) -> float | None:
+    """The mean of the values among xs that are not None (None where there is none)."""
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
 
@@ -147,11 +132,11 @@ def interventions_summary(records: list[dict], measure: Measure, fallback: Measu
                 "grokked": sum(not measure.censored(r) for r in rs),
                 "n": len(rs),
                 "final_val_acc": describe(list(fall[label].values())),
-                "max_logit_end": _mean(_mechanism_at_end(r, "max_logit") for r in rs),
-                "max_logit_peak": _mean(_peak_logit(r) for r in rs),
-                "stable_rank_end": _mean(_mechanism_at_end(r, "stable_rank") for r in rs),
-                "entropy_frac_end": _mean(_mechanism_at_end(r, "entropy_frac") for r in rs),
-                "qk_clip_steps": _mean(clip) if clip else None,
+                "max_logit_end": _mean_present(_mechanism_at_end(r, "max_logit") for r in rs),
+                "max_logit_peak": _mean_present(peak(r, "max_logit") for r in rs),
+                "stable_rank_end": _mean_present(_mechanism_at_end(r, "stable_rank") for r in rs),
+                "entropy_frac_end": _mean_present(_mechanism_at_end(r, "entropy_frac") for r in rs),
+                "qk_clip_steps": _mean_present(clip) if clip else None,
             }
         comparisons = []
         for label in variants:

@@ -23,26 +23,18 @@ from .geometry import (
     time_to,
 )
 from .grok_interventions import (
-    PROTOCOL_SEEDS as INTERVENTION_SEEDS,
-)
-from .grok_interventions import (
     interventions_markdown,
     interventions_summary,
     mechanism_points,
     mechanism_scatter,
     variant,
 )
+from .grok_protocol import GROK_THRESHOLD, SLINGSHOT_OPS
+from .grok_protocol import PROTOCOL_SEEDS as INTERVENTION_SEEDS
 from .report import write_experiment
 from .stats import paired_comparison
 
-__all__ = ["GROK_THRESHOLD", "SLINGSHOT_OPS", "grok_summary", "grok_markdown", "write_grok_report", "claim_rows"]
-
-GROK_THRESHOLD = 0.95  # validation accuracy that counts as grokked, in runs and in their reports
-# The slingshot pilots, in the order they were planned. Division is the slingshot paper's task. Addition
-# was added after the division pilot of the `cpu` profile never generalised in either arm (best
-# validation accuracy < 2%): with nothing grokked, "stable grokking" is untestable there, while addition
-# is the task on which this profile's Stiefel arm demonstrably groks (the `study`).
-SLINGSHOT_OPS = ("/", "+")
+__all__ = ["grok_summary", "grok_markdown", "write_grok_report", "claim_rows"]
 
 
 FINAL_VAL_ACC = Measure("final validation accuracy", "pp", lambda r: 100 * r["metrics"]["final_val_acc"], True)

@@ -18,7 +18,6 @@ import copy
 import hashlib
 import math
 import time
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +30,8 @@ from .family import check_data
 from .models import CharGPT
 from .records import Cell
 from .seq_report import write_lm_report
-from .sequence import SequenceFamily
-from .text import DEFAULT_TEXT_SHA256, check_windows, fixed_windows, load_text, random_windows
+from .sequence import SequenceFamily, window_loss
+from .text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
 from .training import (
     SEQUENCE_ARMS,
     Trainer,
@@ -195,24 +194,6 @@ def _cell(cfg: dict) -> Cell:
 
 def cells(experiment: str, profile: str, seeds: int) -> list[Cell]:
     return FAMILY.cells(experiment, profile, seeds)
-
-
-@lru_cache(maxsize=2)
-def cached_text(data: str | None):
-    return load_text(data)
-
-
-@torch.no_grad()
-def window_loss(model, x: torch.Tensor, y: torch.Tensor, batch: int = 64) -> float:
-    """Mean cross-entropy over every position of the windows, in nats per character. model: any callable from a
-    batch of token windows to their logits (B, N, vocab), e.g. a CharGPT."""
-    total = 0.0
-    for i in range(0, len(x), batch):
-        logits = model(x[i : i + batch])
-        total += float(
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i : i + batch].reshape(-1), reduction="sum")
-        )
-    return total / y.numel()
 
 
 def run(cfg: dict, data: str | None = None, device: str | None = None, progress=None) -> dict:

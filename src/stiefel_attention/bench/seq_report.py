@@ -22,6 +22,7 @@ from .geometry import (
     lead_plot,
     lead_summary,
     mechanism_plot,
+    peak,
     sensitivity,
     sweep_markdown,
     sweep_summary,
@@ -139,13 +140,6 @@ def _stability_label(config: dict) -> str:
     return config["arm"] + (f"+clip{config['qk_clip']:g}" if "qk_clip" in config else "")
 
 
-def _peak(rec: dict, name: str) -> float | None:
-    """The largest value over training of a mechanism metric's largest head (max over layers), or None."""
-    points = rec["curves"].get("mechanism", {}).get(name) or []
-    vals = [layer[2] for point in points for layer in point if layer[2] is not None]
-    return max(vals) if vals else None
-
-
 def stability_summary(records: list[dict]) -> dict:
     """Per run (arm, with QK-Clip or not) and learning-rate multiplier m: the final validation loss capped at a
     uniform prediction's (a diverged run counts as that), how many diverged, the largest attention and output
@@ -165,7 +159,7 @@ def stability_summary(records: list[dict]) -> dict:
     labels = sorted({label for label, _ in cells}, key=lambda a: (a.split("+")[0] != "adamw", "+" in a, a))
     points = {}
     for (label, m), recs in sorted(cells.items()):
-        peaks = [x for x in (_peak(r, "max_logit") for r in recs) if x is not None]
+        peaks = [x for x in (peak(r, "max_logit") for r in recs) if x is not None]
         outs = [max(r["curves"]["max_output_logit"]) for r in recs if r["curves"].get("max_output_logit")]
         points.setdefault(label, {})[f"{m:g}"] = {
             "loss": describe(list(table[m][label].values())),

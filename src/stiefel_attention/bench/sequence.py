@@ -7,12 +7,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from .arms import FACTORIAL_ARMS
 from .family import Family
 from .records import Cell
 from .training import anchor_lr, default_seeds, sweep_note, sweep_points
 
-__all__ = ["SequenceFamily"]
+__all__ = ["SequenceFamily", "window_loss"]
+
+
+@torch.no_grad()
+def window_loss(model, x: torch.Tensor, y: torch.Tensor, batch: int = 64) -> float:
+    """Mean cross-entropy over every position of the windows, in nats per character. model: any callable from a
+    batch of token windows to their logits (B, N, vocab), e.g. a CharGPT."""
+    total = 0.0
+    for i in range(0, len(x), batch):
+        logits = model(x[i : i + batch])
+        total += float(
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i : i + batch].reshape(-1), reduction="sum")
+        )
+    return total / y.numel()
 
 
 class SequenceFamily(Family):

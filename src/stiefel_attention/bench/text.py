@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -125,3 +126,9 @@ def random_windows(data: torch.Tensor, batch: int, context: int, generator: torc
 def fixed_windows(data: torch.Tensor, n: int, context: int, seed: int = 0):
     """A seeded set of n windows, the same in every run that asks for the same (n, context, seed)."""
     return random_windows(data, n, context, torch.Generator().manual_seed(seed))
+
+
+@lru_cache(maxsize=2)
+def cached_text(data: str | None) -> CharCorpus:
+    """load_text(data), kept for the two most recent sources (a command plans and runs many cells on one text)."""
+    return load_text(data)
