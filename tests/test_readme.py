@@ -52,6 +52,11 @@ def test_the_findings_block_is_what_the_committed_summaries_say():
         "--readme README.md"
     )
     assert "[cifar/main](results/cifar/main/summary.md)" in block  # the headline claim, linked from the README
+    # where the bounded frames stand at their tuned rates, linked to REPORT's section that says so
+    bounded = "- [Bounded frames](results/REPORT.md#high-learning-rates-character-level-lm-tiny-shakespeare) at the"
+    assert bounded in block and "#### " not in block
+    report = (root / "results" / "REPORT.md").read_text()
+    assert "### High learning rates: character-level LM (tiny Shakespeare)" in report
 
 
 @pytest.mark.parametrize(

@@ -401,12 +401,17 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         answers = mechanism[0].split(": ", 1)[-1]
         lines.append(f"- [The mechanism]({anchor.split('#')[0]}#the-mechanism-by-intervention-{_slug(mechanism)}): "
                      f"{answers}")  # fmt: skip
+        high = f"{anchor.split('#')[0]}#high-learning-rates-{_slug(mechanism, '### High learning rates: ')}"
+        for line in mechanism:  # where the bounded frames stand at their tuned rates, testbed by testbed
+            if line.startswith("- At the tuned rate, "):
+                lines.append(f"- [Bounded frames]({high}) {line[2:].replace('At the tuned rate', 'at the tuned rate')}")
     return lines
 
 
-def _slug(mechanism: list[str]) -> str:
-    """The GitHub anchor's tail of the first "### The mechanism, by intervention: TITLE" heading."""
-    heading = next((ln for ln in mechanism if ln.startswith("### The mechanism, by intervention: ")), "")
+def _slug(mechanism: list[str], prefix: str = "### The mechanism, by intervention: ") -> str:
+    """The GitHub anchor's tail of the first heading that starts with prefix (default: "### The mechanism, by
+    intervention: TITLE")."""
+    heading = next((ln for ln in mechanism if ln.startswith(prefix)), "")
     title = heading.split(": ", 1)[-1].lower()
     return "".join(ch if ch.isalnum() or ch in " -" else "" for ch in title).replace(" ", "-")
 
