@@ -1,6 +1,6 @@
 """A stiefelized transformers GPT-2 trained by the Hugging Face Trainer, with StiefelAdam, checkpoints and resume.
 
-    python examples/hf_trainer.py --out runs/hf_trainer --steps 200               # its time on a CPU: docs/performance.md
+    python examples/hf_trainer.py --out runs/hf_trainer --steps 200               # time: docs/performance.md
     python examples/hf_trainer.py --out runs/hf_trainer --steps 400 --resume      # continue from the last checkpoint
 
 `transformers.Trainer` takes the optimizer and schedule ready-made (`optimizers=(opt, scheduler)`):
