@@ -108,6 +108,8 @@ SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
         "muon": (3e-2, 1e-1),
         "stiefel-sgd": (3e-2,),
         "adamw-bounded": (3e-2,),  # as qk-norm's, the other normalised arm, fixed before its sweep
+        "qk-norm-sgd": (3e-3,),  # its best sat on the grid's lower edge (0.01)
+        "stiefel-sgd-bounded": (3e-2,),  # its best sat on the lower edge (0.1, tied with 0.3)
     },
 }
 _TEST_SEED, _VAL_SEED = 10_000_019, 10_000_079  # the fixed evaluation sets; no run seed can draw these streams
