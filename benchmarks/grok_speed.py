@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from readme import replace_block  # benchmarks/readme.py, beside this script
-from stiefel_attention.bench import grok
 from stiefel_attention.bench.arms import attention_options
+from stiefel_attention.bench.grok import run as grok
+from stiefel_attention.bench.grok.task import modular_task
 from stiefel_attention.bench.models import ModularTransformer
-from stiefel_attention.bench.modular import modular_task
 from timing import round_robin
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stiefel_attention.bench import grok
 from stiefel_attention.bench.errors import UserError
+from stiefel_attention.bench.grok import run as grok
 from stiefel_attention.bench.partial import Checkpoint, checkpoint_path
 
 
@@ -185,7 +185,7 @@ def text(tmp_path):
 
 def test_a_pretrained_checkpoint_whose_bytes_changed_is_remade_never_used(tmp_path, text, capsys):
     pytest.importorskip("transformers")
-    from stiefel_attention.bench import pretrained as P
+    from stiefel_attention.bench.pretrained import run as P
     from stiefel_attention.bench.text import cached_text
 
     corpus, recipe, cpu = cached_text(text), P.pretrain_recipe("smoke", "gpt2"), torch.device("cpu")
@@ -234,7 +234,7 @@ def _record(model: str, arm: str, seed: int, weights: str | None, file: str, div
 
 def test_a_pretrained_summary_refuses_runs_from_two_checkpoints_naming_both(tmp_path):
     pytest.importorskip("transformers")
-    from stiefel_attention.bench import pretrained as P
+    from stiefel_attention.bench.pretrained import run as P
 
     first = [_record("gpt2", arm, 0, "a" * 64, "f" * 64) for arm in ("adamw", "nearest")]
     second = [_record("gpt2", arm, 1, "b" * 64, "e" * 64) for arm in ("adamw", "nearest")]  # pretrained again
@@ -255,7 +255,7 @@ def test_a_pretrained_summary_refuses_runs_from_two_checkpoints_naming_both(tmp_
 
 def test_a_pretrained_summary_says_when_every_run_of_a_model_diverged(tmp_path):
     pytest.importorskip("transformers")
-    from stiefel_attention.bench import pretrained as P
+    from stiefel_attention.bench.pretrained import run as P
 
     records = [_record("gpt2", arm, s, "a" * 64, "f" * 64, diverged=7) for arm in ("adamw", "nearest") for s in (0, 1)]
     records += [_record("llama", arm, s, "c" * 64, "e" * 64) for arm in ("adamw", "nearest") for s in (0, 1)]

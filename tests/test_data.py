@@ -1,4 +1,4 @@
-"""Tests for stiefel_attention.bench.cifar10 (CIFAR-10 part), on tiny generated datasets."""
+"""Tests for stiefel_attention.bench.cifar.data (CIFAR-10 part), on tiny generated datasets."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from helpers import make_tar, write_pickle_batches
-from stiefel_attention.bench import cifar10 as data
-from stiefel_attention.bench.cifar10 import (
+from stiefel_attention.bench.cifar import data
+from stiefel_attention.bench.cifar.data import (
     CIFAR10_CLASSES,
     CIFAR10_MEAN,
     CIFAR10_STD,

@@ -16,15 +16,17 @@ import torch
 from scipy import stats as sps
 
 from helpers import make_tar, smoke_args, write_pickle_batches
-from stiefel_attention.bench import cifar, cli, grok
+from stiefel_attention.bench import cli
 from stiefel_attention.bench import family as family_module
-from stiefel_attention.bench.cifar10 import ENV_CACHE, ENV_CIFAR10
-from stiefel_attention.bench.cifar_report import cifar_summary, write_cifar_report
+from stiefel_attention.bench.cifar import run as cifar
+from stiefel_attention.bench.cifar.data import ENV_CACHE, ENV_CIFAR10
+from stiefel_attention.bench.cifar.report import cifar_summary, write_cifar_report
 from stiefel_attention.bench.family import with_data
+from stiefel_attention.bench.grok import run as grok
 from stiefel_attention.bench.records import Cell, write_json_atomic
 from stiefel_attention.bench.report import rebuild_all, verdict
+from stiefel_attention.bench.report.stats import paired_comparison
 from stiefel_attention.bench.runner import InlineExecutor, LocalExecutor, run_cells
-from stiefel_attention.bench.stats import paired_comparison
 
 REAL_ARCHIVE = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
 N_TRAIN = 100  # per run; the fake set has 30 images per class
@@ -285,7 +287,7 @@ def test_scaling_and_movement_summaries():
 
 
 def test_claim_rows_wait_for_every_planned_run_of_their_arms():
-    from stiefel_attention.bench.cifar_report import claim_rows
+    from stiefel_attention.bench.cifar.report import claim_rows
 
     def verdicts(exp, recs, by_arm=None, **plan):
         summary = {**cifar_summary(exp, recs), **plan}
@@ -582,7 +584,7 @@ def test_cifar_downloads_itself_when_no_source_is_found(fake_cifar, tmp_path, mo
     import io
     import urllib.request
 
-    from stiefel_attention.bench import cifar10
+    from stiefel_attention.bench.cifar import data as cifar10
 
     payload = make_tar(Path(fake_cifar).parent, tmp_path / "served.tar.gz").read_bytes()
     requested = []

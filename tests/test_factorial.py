@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stiefel_attention.bench.factorial import decompose, two_way_shares
+from stiefel_attention.bench.report.factorial import decompose, two_way_shares
 
 GEOMETRIES = ("euclidean", "qk-norm", "frames")
 OPTIMIZERS = ("adam", "muon", "sgd")
@@ -132,7 +132,7 @@ def _records(value, arms=("a", "b", "c", "d", "v"), seeds=range(4)):
 
 
 def test_the_section_holds_every_cell_decomposes_and_compares_each_variant_with_the_reference_cell():
-    from stiefel_attention.bench.factorial import FactorialSection, factorial_markdown, factorial_section
+    from stiefel_attention.bench.report.factorial import FactorialSection, factorial_markdown, factorial_section
 
     geometry_effect = {"a": 0.0, "b": 0.0, "c": 1.0, "d": 1.0, "v": 1.5}
     recs = _records(lambda a, s: geometry_effect[a] + 0.01 * s + 0.001 * (a == "b") + 0.001 * (a == "v" and s == 0))
@@ -148,7 +148,7 @@ def test_the_section_holds_every_cell_decomposes_and_compares_each_variant_with_
 
 
 def test_a_cell_without_runs_is_shown_as_not_run_and_leaves_no_decomposition():
-    from stiefel_attention.bench.factorial import factorial_markdown, factorial_section
+    from stiefel_attention.bench.report.factorial import factorial_markdown, factorial_section
 
     section = factorial_section(_records(lambda a, s: float(s), arms=("a", "b", "c")), _Measure(), _ARMS, _G, _O)
     assert section.decomposition is None and "misses 1 cells: frames x sgd" in section.not_yet
@@ -157,7 +157,7 @@ def test_a_cell_without_runs_is_shown_as_not_run_and_leaves_no_decomposition():
 
 
 def test_equal_cells_have_no_spread_to_divide_and_all_censored_runs_fall_back_to_the_second_measure():
-    from stiefel_attention.bench.factorial import factorial_section
+    from stiefel_attention.bench.report.factorial import factorial_section
 
     flat = factorial_section(_records(lambda a, s: 1.0), _Measure(), _ARMS, _G, _O)
     assert flat.decomposition is None and "no spread to divide" in flat.not_yet

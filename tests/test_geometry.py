@@ -1,4 +1,4 @@
-"""bench/geometry.py: controls and decay summaries, and the verdict of "When does the geometry dominate?"."""
+"""bench/report/geometry.py: controls and decay summaries, and the verdict of "When does the geometry dominate?"."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from stiefel_attention.bench import geometry
-from stiefel_attention.bench.geometry import (
+from stiefel_attention.bench.report import geometry as geometry
+from stiefel_attention.bench.report.geometry import (
     Measure,
     all_censored,
     controls_markdown,
@@ -285,7 +285,7 @@ def test_report_row_and_verdict_use_the_fallback_where_every_run_is_censored(tmp
 def test_the_mechanism_section_opens_with_one_paragraph_of_both_computed_answers(tmp_path):
     import json
 
-    from stiefel_attention.bench.geometry import mechanism_section
+    from stiefel_attention.bench.report.geometry import mechanism_section
 
     (tmp_path / "grok" / "interventions").mkdir(parents=True)
     (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
@@ -379,7 +379,7 @@ def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path,
 def test_the_high_learning_rate_section_answers_the_bounded_logit_questions_with_the_largest_logit_and_bound(tmp_path):
     import json
 
-    from stiefel_attention.bench.geometry import mechanism_section
+    from stiefel_attention.bench.report.geometry import mechanism_section
 
     (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
     bounded = {
@@ -403,7 +403,7 @@ def test_the_high_learning_rate_section_answers_the_bounded_logit_questions_with
 def test_the_bounded_frames_are_placed_against_adamw_and_the_plain_frames_at_their_tuned_rates(tmp_path):
     import json
 
-    from stiefel_attention.bench.geometry import mechanism_section
+    from stiefel_attention.bench.report.geometry import mechanism_section
 
     (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
     (tmp_path / "mqar" / "main").mkdir(parents=True)
@@ -415,7 +415,7 @@ def test_the_bounded_frames_are_placed_against_adamw_and_the_plain_frames_at_the
     (tmp_path / "lm" / "lr-stability" / "summary.json").write_text(json.dumps({"stability": stability}))
 
     def comparison(arm, baseline, diffs):
-        from stiefel_attention.bench.stats import paired_comparison
+        from stiefel_attention.bench.report.stats import paired_comparison
 
         return {**paired_comparison(diffs, [0.0] * len(diffs)), "arm": arm, "baseline": baseline}
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from helpers import smoke_args
-from stiefel_attention.bench import cli, grok
+from stiefel_attention.bench import cli
+from stiefel_attention.bench.grok import run as grok
+from stiefel_attention.bench.grok.task import MODULAR_OPS, modular_table, modular_task
 from stiefel_attention.bench.models import ModularTransformer
-from stiefel_attention.bench.modular import MODULAR_OPS, modular_table, modular_task
 
 
 @pytest.mark.parametrize("op", MODULAR_OPS)
@@ -162,7 +163,7 @@ def test_cli_single_smoke(tmp_path, capsys):
 
 
 def test_slingshot_verdict_needs_grokking_and_every_later_collapse_survived():
-    from stiefel_attention.bench.grok_report import _slingshot_verdict
+    from stiefel_attention.bench.grok.report import _slingshot_verdict
 
     run = dict(epochs=40000, max_val_acc=1.7, epoch_val_acc_95=None, collapses=[{"epoch": 100, "survived": False}])
     assert _slingshot_verdict(run).startswith("does not replicate, the Stiefel arm never groks (best val acc 1.7%")
@@ -180,8 +181,8 @@ def test_slingshot_verdict_needs_grokking_and_every_later_collapse_survived():
 
 
 def test_study_verdict_names_the_wilcoxon_floor_of_five_pairs():
-    from stiefel_attention.bench.grok_report import _study_verdict
-    from stiefel_attention.bench.stats import paired_comparison
+    from stiefel_attention.bench.grok.report import _study_verdict
+    from stiefel_attention.bench.report.stats import paired_comparison
 
     never, stiefel = [20001] * 5, [5020, 11780, 10260, 3700, 6380]  # baseline censored: never reached 95%
     st = paired_comparison(stiefel, never)
@@ -218,8 +219,8 @@ def test_study_verdict_names_the_wilcoxon_floor_of_five_pairs():
 
 
 def test_study_verdict_when_neither_arm_groks():
-    from stiefel_attention.bench.grok_report import _study_verdict
-    from stiefel_attention.bench.stats import paired_comparison
+    from stiefel_attention.bench.grok.report import _study_verdict
+    from stiefel_attention.bench.report.stats import paired_comparison
 
     st = paired_comparison([20001.0] * 3, [20001.0] * 3)
     assert (
@@ -252,7 +253,7 @@ def _fake_grok_record(op, arm, seed, grok_epoch, final_acc, weight_decay=1.0):
 
 
 def test_decay_markdown_names_each_runs_weight_decay_and_compares_final_accuracy_where_every_run_is_censored():
-    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
+    from stiefel_attention.bench.grok.report import grok_markdown, grok_summary
 
     records = [
         _fake_grok_record("+", a, s, None, acc, 0.1)
@@ -278,7 +279,7 @@ def test_decay_markdown_names_each_runs_weight_decay_and_compares_final_accuracy
 
 
 def test_study_markdown_censors_never_grokked_runs_and_prints_undefined_t_as_na():
-    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
+    from stiefel_attention.bench.grok.report import grok_markdown, grok_summary
 
     records = [_fake_grok_record("+", "adamw", s, None, 0.25) for s in range(3)]
     records += [_fake_grok_record("+", "stiefel-adam", s, e, 1.0) for s, e in zip(range(3), (4000, 6000, 9000))]
@@ -307,7 +308,7 @@ def test_the_family_summary_holds_a_study_verdict_until_the_planned_seeds(tmp_pa
 
 def test_single_verdict_reports_the_ordering_and_each_arm_against_the_paper():
     from stiefel_attention.bench.claims import GROK_SINGLE
-    from stiefel_attention.bench.grok_report import _single_verdict
+    from stiefel_attention.bench.grok.report import _single_verdict
 
     runs = [{"arm": "adamw", "final_val_acc": 24.0}, {"arm": "stiefel-adam", "final_val_acc": 100.0}]
     assert _single_verdict(runs, GROK_SINGLE["paper"]) == (
@@ -324,7 +325,7 @@ def test_single_verdict_reports_the_ordering_and_each_arm_against_the_paper():
 
 
 def test_slingshot_summary_gives_each_pilot_its_conditions_ratio_and_verdict():
-    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
+    from stiefel_attention.bench.grok.report import grok_markdown, grok_summary
 
     records = []
     for op, grok_epoch in (("/", None), ("+", 3000)):
@@ -452,8 +453,8 @@ def _iv_record(arm, seed, op, epoch, acc, **extra):
 
 
 def test_intervention_verdicts_follow_the_paired_comparisons():
-    from stiefel_attention.bench.grok_interventions import interventions_summary
-    from stiefel_attention.bench.grok_report import EPOCHS_TO_GROK, FINAL_VAL_ACC
+    from stiefel_attention.bench.grok.interventions import interventions_summary
+    from stiefel_attention.bench.grok.report import EPOCHS_TO_GROK, FINAL_VAL_ACC
 
     recs = []
     for s in range(5):
@@ -500,8 +501,8 @@ def test_intervention_verdicts_follow_the_paired_comparisons():
 
 
 def test_the_no_decay_claim_row_reads_the_controls_comparison():
-    from stiefel_attention.bench.grok_report import _null_verdict, claim_rows, grok_summary
-    from stiefel_attention.bench.stats import paired_comparison
+    from stiefel_attention.bench.grok.report import _null_verdict, claim_rows, grok_summary
+    from stiefel_attention.bench.report.stats import paired_comparison
 
     def row(nodecay_epochs, nodecay_acc, by_arm=None):
         recs = []
@@ -591,7 +592,7 @@ def test_a_resumed_run_whose_earlier_stretches_were_not_timed_has_no_wall_clock(
     """A checkpoint saved before stretches were timed: the record cannot know the run's wall-clock, and says so."""
     import torch
 
-    from stiefel_attention.bench.grok_report import grok_markdown, grok_summary
+    from stiefel_attention.bench.grok.report import grok_markdown, grok_summary
     from stiefel_attention.bench.partial import Checkpoint
 
     cfg = grok.make_config("smoke", "stiefel-adam", 0, "+", epochs=30, eval_every=10)

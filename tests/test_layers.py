@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -16,32 +15,11 @@ CORE = ("manifold", "optim", "nn", "metrics", "certify", "convert")
 BENCH_ONLY = ("numpy", "scipy", "matplotlib", "PIL", "tqdm", "transformers", "stiefel_attention.bench")
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts)
+sys.path.insert(0, str(ROOT / "tools"))
+import import_graph  # noqa: E402
 
-
-def _imports(path: Path) -> set[str]:
-    """Package modules imported anywhere in the file (top level or inside functions)."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("stiefel_attention")}
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")
-            base = base[: len(base) - (node.level - 1)] if node.level else []
-            module = ".".join(base + ([node.module] if node.module else []))
-            if module.startswith("stiefel_attention"):
-                found.add(module)
-                found |= {f"{module}.{a.name}" for a in node.names}
-    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
-    return {m for m in found if m in modules and m != name}
-
-
-GRAPH = {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+sys.path.remove(str(ROOT / "tools"))
+GRAPH = import_graph.graph()  # {module: the package's modules it imports}
 
 
 def test_no_core_module_imports_the_benchmark_layer():
@@ -96,3 +74,14 @@ def test_ruff_lint_and_format_are_clean():
     assert lint.returncode == 0, lint.stdout + lint.stderr
     fmt = subprocess.run([*ruff, "format", "--check", "--no-cache", *paths], capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_no_benchmark_module_imports_a_higher_layer_or_another_family():
+    """tools/import_graph.py's layers: base < report < sequence < families < cli, and no family imports another."""
+    assert import_graph.climbs(GRAPH) == []
+    planted = {
+        "stiefel_attention.bench.report.geometry": {"stiefel_attention.bench.lm.report"},
+        "stiefel_attention.bench.mqar.run": {"stiefel_attention.bench.lm.run"},
+        "stiefel_attention.bench.records": {"stiefel_attention.bench.cli"},
+    }
+    assert len(import_graph.climbs(planted)) == 3  # the check sees each kind of climb

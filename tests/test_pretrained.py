@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 
 from helpers import smoke_args  # noqa: E402
 from stiefel_attention.bench import cli  # noqa: E402
-from stiefel_attention.bench import pretrained as P  # noqa: E402
 from stiefel_attention.bench.errors import UserError  # noqa: E402
+from stiefel_attention.bench.pretrained import run as P  # noqa: E402
 from stiefel_attention.bench.text import cached_text  # noqa: E402
 
 

@@ -30,11 +30,13 @@ from stiefel_attention import (
     reset_frames,
     stiefelize,
 )
-from stiefel_attention.bench import cli, grok, lm
+from stiefel_attention.bench import cli
 from stiefel_attention.bench import family as family_module
 from stiefel_attention.bench import runner as runner_module
 from stiefel_attention.bench.errors import DataError, NotReady, UserError
 from stiefel_attention.bench.family import with_data
+from stiefel_attention.bench.grok import run as grok
+from stiefel_attention.bench.lm import run as lm
 from stiefel_attention.bench.lock import Claims
 from stiefel_attention.bench.records import Cell, ensure_writable, read_record, write_json_atomic
 from stiefel_attention.bench.report import load_records
@@ -202,7 +204,7 @@ def test_a_claim_taken_after_the_record_was_written_does_not_run_again(tmp_path,
 _PARENT = """
 import sys
 sys.path.insert(0, {src!r})
-from stiefel_attention.bench import grok
+from stiefel_attention.bench.grok import run as grok
 from stiefel_attention.bench.records import Cell
 from stiefel_attention.bench.runner import LocalExecutor, run_cells
 base = grok.cells("single", "smoke")[0]

@@ -9,13 +9,15 @@ import re
 import pytest
 import torch
 
-from stiefel_attention.bench import cli, lm, mqar, training
+from stiefel_attention.bench import cli, training
 from stiefel_attention.bench.arms import arm_spec
 from stiefel_attention.bench.errors import DataError
-from stiefel_attention.bench.fmt import fmt_runs
-from stiefel_attention.bench.mqar_task import IGNORE, max_pairs, mqar_batch
+from stiefel_attention.bench.lm import run as lm
+from stiefel_attention.bench.mqar import run as mqar
+from stiefel_attention.bench.mqar.report import mqar_markdown, mqar_summary
+from stiefel_attention.bench.mqar.task import IGNORE, max_pairs, mqar_batch
 from stiefel_attention.bench.report import rebuild_all
-from stiefel_attention.bench.seq_report import mqar_markdown, mqar_summary
+from stiefel_attention.bench.report.fmt import fmt_runs
 from stiefel_attention.bench.text import ENV_TEXT, fixed_windows, load_text, random_windows
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
@@ -312,7 +314,7 @@ def test_a_diverging_lm_run_is_recorded_with_its_step_not_raised(corpus_file):
     rec = lm.run(cfg, data=str(corpus_file), device="cpu")
     m = rec["metrics"]
     assert m["diverged_at_step"] is not None and m["final_val_loss"] is None and rec["sample"] == ""
-    from stiefel_attention.bench.seq_report import VAL_LOSS
+    from stiefel_attention.bench.lm.report import VAL_LOSS
 
     assert VAL_LOSS.value(rec) == m["uniform_loss"] == pytest.approx(math.log(len(set(TEXT))))
     assert json.dumps(rec, allow_nan=False)
@@ -342,7 +344,7 @@ def _stability_record(arm, seed, m, loss, logit, clip=None, diverged=None):
 
 
 def test_stability_summary_computes_wortsmans_sensitivity_the_precondition_and_a_verdict():
-    from stiefel_attention.bench.seq_report import stability_markdown, stability_summary
+    from stiefel_attention.bench.lm.report import stability_markdown, stability_summary
 
     recs = []
     for s in range(3):
@@ -377,7 +379,7 @@ def test_stability_summary_computes_wortsmans_sensitivity_the_precondition_and_a
 
 
 def test_the_bounded_arms_are_compared_with_qk_norm_the_plain_frames_and_the_norm_alone():
-    from stiefel_attention.bench.seq_report import logit_bound, stability_markdown, stability_summary
+    from stiefel_attention.bench.lm.report import logit_bound, stability_markdown, stability_summary
 
     model = {"d_model": 64, "head_dim": 16}
     losses = {  # m = 1, 16, 64; the bounded frames level with qk-norm, far ahead of the plain frames at m = 64

@@ -226,7 +226,7 @@ def _check_folder(family, runs_dir: Path, profile: str, run_options: dict) -> No
 def _check_reportable(family, out: Path, cells: list, what: str) -> None:
     """Before any run: `report` on the folder will take every record these cells write, rather than leave it out
     (cells of a non-default option, such as cifar's --n, beside the records of the default's)."""
-    from .report import place_records
+    from .report.document import place_records
 
     to_come = [{"name": c.name, "key": c.key, "family": c.family, "config": c.config} for c in cells]
     mine = {c.key for c in cells}
@@ -359,7 +359,7 @@ def _family_command(args: argparse.Namespace) -> int:
 def run_experiment(request: RunRequest) -> int:
     """Run the request's missing cells after the checks that need no run (folder, data, reportability), then
     write the experiment's summary of the folder; 1 if a run failed."""
-    from .report import load_records
+    from .report.document import load_records
     from .runner import InlineExecutor, run_cells
 
     family, out = request.family, request.out
@@ -414,7 +414,7 @@ def _run_count_header(request: RunRequest, cells: list, to_run: list, chosen: li
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     """certify, then every family's experiments through the same code path as their own commands, then report."""
-    from .report import check_placed, place_records
+    from .report.document import check_placed, place_records
 
     out = Path(args.out or default_results_dir(args.profile))
     families = all_families()
@@ -522,7 +522,7 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import load_records, rebuild_all, rebuild_family
+    from .report.document import load_records, rebuild_all, rebuild_family
 
     where = Path(args.dir)
     if not where.is_dir():
@@ -551,7 +551,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     for path in rebuild_all(where, args.beside, args.leave_out_unplanned):
         print(f"wrote {path}")
     if getattr(args, "readme", None):  # reproduce's report writes no README
-        from .report import write_findings
+        from .report.document import write_findings
 
         print(f"wrote {write_findings(args.readme, where)} (its findings block)")
     return 0

@@ -22,22 +22,22 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..nn import qk_clip, reset_logit_stats
-from ..optim import NonFiniteGradientError
-from .arms import BOUNDED_ARMS, arm_spec
-from .errors import NotReady
-from .family import check_data
-from .models import CharGPT
-from .records import Cell
-from .seq_report import write_lm_report
-from .sequence import SequenceFamily, window_loss
-from .text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
-from .training import (
+from ...nn import qk_clip, reset_logit_stats
+from ...optim import NonFiniteGradientError
+from ..arms import BOUNDED_ARMS, arm_spec
+from ..errors import NotReady
+from ..family import check_data
+from ..models import CharGPT
+from ..records import Cell
+from ..sequence.family import SequenceFamily, window_loss
+from ..text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
+from ..training import (
     SEQUENCE_ARMS,
     Trainer,
     log_mechanism,
     tuned_rates,
 )
+from .report import write_lm_report
 
 _NANOGPT = dict(lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1, sgd_frame_lr=1.0)
 PROFILES: dict[str, dict] = {

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .arms import FACTORIAL_ARMS
-from .family import Family
-from .records import Cell
-from .training import anchor_lr, default_seeds, sweep_note, sweep_points
+from ..arms import FACTORIAL_ARMS
+from ..family import Family
+from ..records import Cell
+from ..training import anchor_lr, default_seeds, sweep_note, sweep_points
 
 __all__ = ["SequenceFamily", "window_loss"]
 

@@ -238,7 +238,7 @@ def factorial_section(
 
 def suite_factorial(records: Sequence[dict], measure) -> dict:
     """summary["factorial"] of a testbed: the suite's table (arms.FACTORIAL) and its Adam-type variants on frames."""
-    from .arms import FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FRAME_ADAM_VARIANTS
+    from ..arms import FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FRAME_ADAM_VARIANTS
 
     table = factorial_section(
         records, measure, FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FRAME_ADAM_VARIANTS

@@ -16,18 +16,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .arms import BOUNDED_ARMS, arm_spec
-from .models import CharGPT
-from .mqar_task import IGNORE, max_pairs, min_seq_len, mqar_batch
-from .records import Cell
-from .seq_report import write_mqar_report
-from .sequence import SequenceFamily
-from .training import (
+from ..arms import BOUNDED_ARMS, arm_spec
+from ..models import CharGPT
+from ..records import Cell
+from ..sequence.family import SequenceFamily
+from ..training import (
     SEQUENCE_ARMS,
     Trainer,
     log_mechanism,
     tuned_rates,
 )
+from .report import write_mqar_report
+from .task import IGNORE, max_pairs, min_seq_len, mqar_batch
 
 SOLVED = 0.99  # test accuracy at query positions that counts as solving the task
 _OPT = dict(lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1, sgd_frame_lr=1.0)

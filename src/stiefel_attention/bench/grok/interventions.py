@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
-from .geometry import Measure, compare, peak, standing
-from .grok_protocol import INTERVENTION_KEYS, intervention_tag
-from .stats import describe
+from ..report.fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
+from ..report.geometry import Measure, compare, peak, standing
+from ..report.stats import describe
+from .protocol import INTERVENTION_KEYS, intervention_tag
 
 __all__ = [
     "INTERVENTION_KEYS",

@@ -2,7 +2,7 @@
 
 Everything here is computed from run records alone (the JSON files under runs/), so a report
 can be rebuilt at any time, and partially finished experiments report what they have. Each
-family's own summary, markdown and plots live beside it (`cifar_report.py`, `grok_report.py`);
+family's own summary, markdown and plots live beside it (each family package's report.py);
 this module writes them, rebuilds every family's summaries, and gathers the claim rows into
 REPORT.md.
 """
@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
-from .family import Family, Plan, all_families, get_family
+from ..errors import UserError
+from ..family import Family, Plan, all_families, get_family
+from ..records import read_record, write_json_atomic
 from .fmt import fmt_ci, fmt_p, fmt_t, open_arms, provisional
 from .geometry import geometry_section, mechanism_section, verdicts_by_testbed
-from .records import read_record, write_json_atomic
 
 __all__ = [
     "load_records",

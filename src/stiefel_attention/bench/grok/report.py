@@ -7,10 +7,11 @@ import math
 import statistics
 from pathlib import Path
 
-from . import claims
-from .family import Plan
-from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
-from .geometry import (
+from .. import claims
+from ..family import Plan
+from ..report.document import write_experiment
+from ..report.fmt import fmt_ci, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
+from ..report.geometry import (
     Measure,
     controls_markdown,
     controls_summary,
@@ -22,17 +23,16 @@ from .geometry import (
     significant,
     time_to,
 )
-from .grok_interventions import (
+from ..report.stats import paired_comparison
+from .interventions import (
     interventions_markdown,
     interventions_summary,
     mechanism_points,
     mechanism_scatter,
     variant,
 )
-from .grok_protocol import GROK_THRESHOLD, SLINGSHOT_OPS
-from .grok_protocol import PROTOCOL_SEEDS as INTERVENTION_SEEDS
-from .report import write_experiment
-from .stats import paired_comparison
+from .protocol import GROK_THRESHOLD, SLINGSHOT_OPS
+from .protocol import PROTOCOL_SEEDS as INTERVENTION_SEEDS
 
 __all__ = ["grok_summary", "grok_markdown", "write_grok_report", "claim_rows"]
 

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .arms import BOUNDED_ARMS, arm_spec
+from ..arms import BOUNDED_ARMS, arm_spec
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, provisional, save_figure, undefined
 from .stats import describe, paired_comparison
 
@@ -650,7 +650,7 @@ def _bounded_at_tuned_rates(results_dir: Path, controls: list[tuple[str, str, st
 
 
 def _bounded_lines(bounded: dict, tuned: dict[str, list[str]] | None = None) -> list[str]:
-    """REPORT's answers for the bounded-logit arms (seq_report._bounded_summary): three computed verdicts, the
+    """REPORT's answers for the bounded-logit arms (lm.report._bounded_summary): three computed verdicts, the
     largest logit of each against its bound by construction, and where the bounded frames stand at their tuned
     rates in each testbed's controls (`_bounded_at_tuned_rates`)."""
     tuned = tuned or {}

@@ -22,16 +22,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..manifold import isometry_error
-from ..metrics import attention_metrics
-from ..nn import qk_clip, qk_matrices, reset_logit_stats
-from .arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
-from .family import Family
-from .grok_protocol import GROK_THRESHOLD, INTERVENTION_KEYS, PROTOCOL_SEEDS, SLINGSHOT_OPS, intervention_tag
-from .grok_report import claim_rows, write_grok_report
-from .models import ModularTransformer
-from .modular import modular_task
-from .records import Cell
+from ...manifold import isometry_error
+from ...metrics import attention_metrics
+from ...nn import qk_clip, qk_matrices, reset_logit_stats
+from ..arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from ..family import Family
+from ..models import ModularTransformer
+from ..records import Cell
+from .protocol import GROK_THRESHOLD, INTERVENTION_KEYS, PROTOCOL_SEEDS, SLINGSHOT_OPS, intervention_tag
+from .report import claim_rows, write_grok_report
+from .task import modular_task
 
 _REFERENCE = dict(p=113, d_model=128, n_heads=4, head_dim=32, d_mlp=512, n_layers=1, layernorm=False)
 PROFILES: dict[str, dict] = {

@@ -38,21 +38,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..convert import stiefelize
-from ..manifold import isometry_error
-from ..nn import frames
-from ..optim import NonFiniteGradientError, StiefelAdam, param_groups
-from .errors import UserError
-from .family import Family, check_data
-from .fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, open_arms, provisional, save_figure
-from .lock import exclusive
-from .partial import file_sha256, why_unreadable
-from .records import Cell, atomic_write
-from .report import write_experiment
-from .sequence import window_loss
-from .stats import describe, paired_comparison
-from .text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
-from .training import default_seeds, warmup_cosine
+from ...convert import stiefelize
+from ...manifold import isometry_error
+from ...nn import frames
+from ...optim import NonFiniteGradientError, StiefelAdam, param_groups
+from ..errors import UserError
+from ..family import Family, check_data
+from ..lock import exclusive
+from ..partial import file_sha256, why_unreadable
+from ..records import Cell, atomic_write
+from ..report.document import write_experiment
+from ..report.fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, open_arms, provisional, save_figure
+from ..report.stats import describe, paired_comparison
+from ..sequence.family import window_loss
+from ..text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
+from ..training import default_seeds, warmup_cosine
 
 _RATES = dict(pretrain_lr=1e-2, lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1)
 PROFILES: dict[str, dict] = {

@@ -7,12 +7,13 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from . import claims
-from .arms import arm_spec
-from .factorial import FactorialSection, factorial_markdown, factorial_plot, suite_factorial
-from .family import Plan
-from .fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
-from .geometry import (
+from .. import claims
+from ..arms import arm_spec
+from ..family import Plan
+from ..report.document import comparison_rows, verdict, write_experiment
+from ..report.factorial import FactorialSection, factorial_markdown, factorial_plot, suite_factorial
+from ..report.fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
+from ..report.geometry import (
     Measure,
     compare,
     controls_markdown,
@@ -22,8 +23,7 @@ from .geometry import (
     lead_plot,
     mechanism_plot,
 )
-from .report import comparison_rows, verdict, write_experiment
-from .stats import describe
+from ..report.stats import describe
 
 __all__ = ["cifar_summary", "summary_markdown", "write_cifar_report", "claim_rows", "movement_vs_lr"]
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .errors import DataError
+from ..errors import DataError
 
 
 class SourceNotFound(DataError):
@@ -111,7 +111,7 @@ _HOW_TO_PROVIDE = (
     "test/<class>/*.jpg|*.png (optionally inside one top-level folder), classes "
     f"{', '.join(CIFAR10_CLASSES)}.\n"
     "To download the canonical archive (needs network): "
-    'python -c "from stiefel_attention.bench.cifar10 import download_cifar10; '
+    'python -c "from stiefel_attention.bench.cifar.data import download_cifar10; '
     "download_cifar10('data')\""
 )
 

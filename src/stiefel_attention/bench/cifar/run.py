@@ -24,11 +24,16 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..manifold import isometry_error
-from ..metrics import attention_metrics
-from ..nn import qk_matrices
-from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
-from .cifar10 import (
+from ...manifold import isometry_error
+from ...metrics import attention_metrics
+from ...nn import qk_matrices
+from ..arms import BOUNDED_ARMS, FACTORIAL_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from ..errors import NotReady
+from ..family import Family, check_data, data_of, with_data
+from ..models import PatchViT
+from ..records import Cell
+from ..training import init_fingerprint, warmup_cosine
+from .data import (
     CIFAR10_URL,
     DEFAULT_CIFAR10_SHA256,
     SourceNotFound,
@@ -38,12 +43,7 @@ from .cifar10 import (
     normalize,
     train_val_split,
 )
-from .cifar_report import claim_rows, write_cifar_report
-from .errors import NotReady
-from .family import Family, check_data, data_of, with_data
-from .models import PatchViT
-from .records import Cell
-from .training import init_fingerprint, warmup_cosine
+from .report import claim_rows, write_cifar_report
 
 # Learning rates were chosen once per profile by the `lr-sweep` experiment on a validation
 # split carved from train (results/cifar/lr-sweep/summary.md): for `cpu`, AdamW lr 2e-3 (of
