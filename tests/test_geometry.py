@@ -285,8 +285,6 @@ def test_report_row_and_verdict_use_the_fallback_where_every_run_is_censored(tmp
 def test_the_mechanism_section_opens_with_one_paragraph_of_both_computed_answers(tmp_path):
     import json
 
-    from stiefel_attention.bench.report.geometry import mechanism_section
-
     (tmp_path / "grok" / "interventions").mkdir(parents=True)
     (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
     interventions = {"mechanism_verdict": "the attention-logit scale is causal in both directions", "verdicts": []}
@@ -296,13 +294,58 @@ def test_the_mechanism_section_opens_with_one_paragraph_of_both_computed_answers
         "precondition": {"met": True, "text": "adamw's logits grow"}, "verdict": "partly: less sensitive than adamw",
     }  # fmt: skip
     (tmp_path / "lm" / "lr-stability" / "summary.json").write_text(json.dumps({"stability": stability}))
-    lines = mechanism_section(tmp_path, [("grok", "grokking", "interventions"), ("lm", "char LM", "lr-stability")])
+    lines = _mechanism(tmp_path, "grok", "lm")
     assert lines[0] == (
         "The mechanism in one paragraph, from the computed verdicts below: is the attention-logit scale the "
-        "mechanism in grokking? the attention-logit scale is causal in both directions; do the frames buy "
-        "high-learning-rate stability in char LM? partly: less sensitive than adamw."
+        "mechanism in modular addition (grokking)? the attention-logit scale is causal in both directions; do the "
+        "frames buy high-learning-rate stability in character-level LM (tiny Shakespeare)? partly: less sensitive "
+        "than adamw."
     )
-    assert mechanism_section(tmp_path, [("cifar", "patches", None)]) == []  # no interventions: no paragraph
+    assert "### The mechanism, by intervention: modular addition (grokking)" in lines
+    assert (
+        "[lm/lr-stability](lm/lr-stability/summary.md) (runs). Precondition (met): adamw's logits grow."
+        in lines[lines.index("### High learning rates: character-level LM (tiny Shakespeare)") + 2]
+    )
+    assert _mechanism(tmp_path, "cifar") == []  # no mechanism experiment: no paragraph
+
+
+def _mechanism(root, *families, controls=()):
+    """REPORT's mechanism lines from the summaries under root, each family answering through its own hook."""
+    from stiefel_attention.bench.family import get_family
+    from stiefel_attention.bench.report.geometry import mechanism_found, mechanism_section
+
+    return mechanism_section(root, mechanism_found(root, [get_family(f) for f in families]), controls)
+
+
+def test_the_mechanism_section_reads_a_testbed_only_through_its_hook(tmp_path):
+    """A testbed of its own (no summary keys the report layer knows) answers with the typed record."""
+    import json
+    from types import SimpleNamespace
+
+    from stiefel_attention.bench.report.geometry import mechanism_found, mechanism_section
+    from stiefel_attention.bench.report.summaries import Answer, MechanismAnswer
+
+    (tmp_path / "toy" / "probe").mkdir(parents=True)
+    (tmp_path / "toy" / "probe" / "summary.json").write_text(json.dumps({"n_planned": 4, "n_planned_done": 3}))
+    seen = []
+
+    def hook(experiment, summary):
+        seen.append((experiment, summary))
+        return MechanismAnswer("Probing", (Answer("does it probe?", "yes"),), "It probes.", ("one bullet",))
+
+    toy = SimpleNamespace(name="toy", title="a toy", mechanism_experiment="probe", mechanism_answer=hook)
+    lines = mechanism_section(tmp_path, mechanism_found(tmp_path, [toy]))
+    assert seen == [("probe", {"n_planned": 4, "n_planned_done": 3})]
+    assert lines == [
+        "The mechanism in one paragraph, from the computed verdicts below: does it probe? yes.",
+        "",
+        "### Probing: a toy",
+        "",
+        "[toy/probe](toy/probe/summary.md) (3/4 runs). It probes.",
+        "",
+        "- one bullet",
+        "",
+    ]
 
 
 def _profile_root(root, profile: str, offsets: dict[str, float], n: int, by_arm=None, family="grok"):
@@ -379,8 +422,6 @@ def test_beside_sets_another_profile_beside_and_compares_each_standing(tmp_path,
 def test_the_high_learning_rate_section_answers_the_bounded_logit_questions_with_the_largest_logit_and_bound(tmp_path):
     import json
 
-    from stiefel_attention.bench.report.geometry import mechanism_section
-
     (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
     bounded = {
         "verdict": {"qk-norm": "yes: as stable as qk-norm", "frames": "yes: less sensitive", "needs frames": "no"},
@@ -392,7 +433,7 @@ def test_the_high_learning_rate_section_answers_the_bounded_logit_questions_with
         "precondition": {"met": True, "text": "adamw's logits grow"}, "verdict": "partly", "bounded": bounded,
     }  # fmt: skip
     (tmp_path / "lm" / "lr-stability" / "summary.json").write_text(json.dumps({"stability": stability}))
-    lines = mechanism_section(tmp_path, [("lm", "char LM", "lr-stability")])
+    lines = _mechanism(tmp_path, "lm")
     assert lines[0].endswith("does bounding the whole logit buy qk-norm's stability? yes: as stable as qk-norm.")
     assert "- Does the bound buy qk-norm's stability? **yes: as stable as qk-norm**." in lines
     assert "- Does it need the frames? **no**." in lines
@@ -402,8 +443,6 @@ def test_the_high_learning_rate_section_answers_the_bounded_logit_questions_with
 
 def test_the_bounded_frames_are_placed_against_adamw_and_the_plain_frames_at_their_tuned_rates(tmp_path):
     import json
-
-    from stiefel_attention.bench.report.geometry import mechanism_section
 
     (tmp_path / "lm" / "lr-stability").mkdir(parents=True)
     (tmp_path / "mqar" / "main").mkdir(parents=True)
@@ -427,13 +466,13 @@ def test_the_bounded_frames_are_placed_against_adamw_and_the_plain_frames_at_the
         ],
     }
     (tmp_path / "mqar" / "main" / "summary.json").write_text(json.dumps({"controls": controls}))
-    lines = mechanism_section(tmp_path, [("lm", "char LM", "lr-stability")], [("mqar", "recall", "main")])
+    lines = _mechanism(tmp_path, "lm", controls=[("mqar", "recall", "main")])
     adamw = [line for line in lines if "stiefel-adam-bounded against adamw" in line]
     frames = [line for line in lines if "stiefel-adam-bounded against stiefel-adam" in line]
     assert adamw == ["- At the tuned rate, stiefel-adam-bounded against adamw (paired by seed): recall: behind adamw "
                      "(+105 steps [+84, +126], 4 seeds, p_W=0.12)."]  # fmt: skip
     assert frames[0].startswith("- At the tuned rate, stiefel-adam-bounded against stiefel-adam (paired by seed): "
                                 "recall: level with stiefel-adam (-1 steps")  # fmt: skip
-    assert mechanism_section(tmp_path, [("lm", "char LM", "lr-stability")]) == [
+    assert _mechanism(tmp_path, "lm") == [
         line for line in lines if "At the tuned rate" not in line
     ]  # without controls, no such line

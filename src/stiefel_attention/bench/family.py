@@ -15,10 +15,13 @@ import copy
 import importlib
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import DataError, NotReady, UserError
 from .records import Cell
+
+if TYPE_CHECKING:  # the report layer's record, named here for the annotation only
+    from .report.summaries import MechanismAnswer
 
 __all__ = [
     "Family",
@@ -152,6 +155,11 @@ class Family:
     def claim_rows(self, experiment: str, summary: dict, link: str, profile: str) -> list[tuple[str, ...]]:
         """REPORT.md rows (link, profile, claim, measured, verdict) from one experiment's summary."""
         return []
+
+    def mechanism_answer(self, experiment: str, summary: dict) -> MechanismAnswer | None:
+        """This family's part of REPORT's "The mechanism" section, read from its own summary of its
+        mechanism_experiment (None: it has none)."""
+        return None
 
 
 def check_data(config: dict, default_sha256: str, sha256: str, source: str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..report.fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
 from ..report.geometry import Measure, compare, peak, standing
 from ..report.stats import describe
+from ..report.summaries import Answer, MechanismAnswer
 from .protocol import INTERVENTION_KEYS, intervention_tag
 
 __all__ = [
@@ -371,3 +372,18 @@ def mechanism_scatter(points: list[dict], out_dir: Path, made: list[str], name: 
     ax.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     save_figure(fig, out_dir, name, made, dpi=110)
+
+
+def mechanism_answer(summary: dict, title: str) -> MechanismAnswer | None:
+    """REPORT's mechanism section for this testbed, from an interventions summary (None without its part)."""
+    found = summary.get("interventions")
+    if not found:
+        return None
+    scatter = "mechanism_scatter.png" in summary.get("plots", [])
+    return MechanismAnswer(
+        heading="The mechanism, by intervention",
+        answers=(Answer(f"is the attention-logit scale the mechanism in {title}?", found["mechanism_verdict"]),),
+        lead=f"In one sentence: **{found['mechanism_verdict']}**.",
+        bullets=tuple(found["verdicts"]),
+        figure=("epochs to 95% against the largest attention logit", "mechanism_scatter.png") if scatter else None,
+    )

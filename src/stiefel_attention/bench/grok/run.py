@@ -29,6 +29,7 @@ from ..arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, b
 from ..family import Family
 from ..models import ModularTransformer
 from ..records import Cell
+from .interventions import mechanism_answer
 from .protocol import GROK_THRESHOLD, INTERVENTION_KEYS, PROTOCOL_SEEDS, SLINGSHOT_OPS, intervention_tag
 from .report import claim_rows, write_grok_report
 from .task import modular_task
@@ -427,6 +428,9 @@ class GrokFamily(Family):
             context = [by_key[c.key] for c in cells("controls", profile, seeds) if c.key in by_key]
         seeds = self.protocol_seeds(experiment, profile)
         return write_grok_report(out_dir, experiment, records, profile, plan, context, planned_seeds=seeds)
+
+    def mechanism_answer(self, experiment, summary):
+        return mechanism_answer(summary, self.title) if experiment == self.mechanism_experiment else None
 
     def claim_rows(self, experiment, summary, link, profile):
         return claim_rows(experiment, summary, link, profile)

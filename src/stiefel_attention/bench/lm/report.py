@@ -18,6 +18,7 @@ from ..report.geometry import (
     controls_markdown,
     controls_summary,
     decay_markdown,
+    fmt_diff,
     lead_plot,
     lead_summary,
     mechanism_plot,
@@ -26,6 +27,7 @@ from ..report.geometry import (
     sweep_summary,
 )
 from ..report.stats import describe
+from ..report.summaries import Answer, BoundedAnswer, MechanismAnswer
 from ..sequence.report import curve_plot, header, swept
 
 __all__ = ["VAL_LOSS", "write_lm_report"]
@@ -448,3 +450,35 @@ def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str,
         return made
 
     return write_experiment(out_dir, experiment, lm_summary(experiment, records), plots, lm_markdown, profile, plan)
+
+
+def stability_answer(summary: dict, title: str) -> MechanismAnswer | None:
+    """REPORT's high-learning-rate section for this testbed, from an lr-stability summary (None without its part):
+    the sensitivity of each arm, against adamw, the verdict, and the bounded arms' answers."""
+    found = summary.get("stability")
+    if not found:
+        return None
+    sens = "; ".join(
+        f"{label} {found['sensitivity'][label]['mean']:.3f}"
+        for label in found["labels"]
+        if label in found["sensitivity"]
+    )
+    vs = "; ".join(f"{c['arm']} {fmt_diff(c, 'nats/char', 3)}" for c in found["sensitivity_vs_adamw"])
+    answers = [Answer(f"do the frames buy high-learning-rate stability in {title}?", found["verdict"])]
+    bounded = None
+    if b := found.get("bounded"):
+        verdict = b["verdict"]
+        answers.append(Answer("does bounding the whole logit buy qk-norm's stability?", verdict["qk-norm"]))
+        bounded = BoundedAnswer(
+            verdict["qk-norm"], verdict["frames"], verdict["needs frames"], b["bounds"], b["largest"]
+        )
+    figure = "lr_stability.png" in summary.get("plots", [])
+    return MechanismAnswer(
+        heading="High learning rates",
+        answers=tuple(answers),
+        lead=f"Precondition ({PRECONDITION_WORDS[found['precondition']['met']]}): {found['precondition']['text']}. "
+        f"Learning-rate sensitivity (nats/char, lower is more stable): {sens or 'not measured'}; against adamw: "
+        f"{vs or 'not measured'}. Do the frames buy high-learning-rate stability? **{found['verdict']}**.",
+        bounded=bounded,
+        figure=("loss and largest attention logit against the learning rate", "lr_stability.png") if figure else None,
+    )

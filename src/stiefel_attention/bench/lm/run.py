@@ -37,7 +37,7 @@ from ..training import (
     log_mechanism,
     tuned_rates,
 )
-from .report import write_lm_report
+from .report import stability_answer, write_lm_report
 
 _NANOGPT = dict(lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1, sgd_frame_lr=1.0)
 PROFILES: dict[str, dict] = {
@@ -362,6 +362,9 @@ class LMFamily(SequenceFamily):
 
     def run(self, config: dict, progress=None, **options) -> dict:
         return run(config, progress=progress, **options)
+
+    def mechanism_answer(self, experiment, summary):
+        return stability_answer(summary, self.title) if experiment == self.mechanism_experiment else None
 
     def write_summary(self, out_dir, experiment, records, profile, plan, by_key) -> dict:
         return write_lm_report(out_dir, experiment, records, profile, plan)

@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..family import Family, Plan, all_families, get_family
 from ..records import read_record, write_json_atomic
 from .fmt import fmt_ci, fmt_p, fmt_t, open_arms, provisional
-from .geometry import geometry_section, mechanism_section, verdicts_by_testbed
+from .geometry import geometry_section, mechanism_found, mechanism_section, verdicts_by_testbed
 
 __all__ = [
     "load_records",
@@ -298,7 +298,7 @@ def write_claims_report(
     lines += ["", *geometry] if geometry else []
     mechanism = mechanism_section(
         results_dir,
-        [(f.name, f.title, f.mechanism_experiment) for f in all_families()],
+        mechanism_found(results_dir, all_families()),
         [(f.name, f.title, f.controls_experiment) for f in all_families()],
     )
     lines += mechanism
@@ -394,7 +394,7 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         lines.append(f"- [When does the geometry dominate?]({anchor}) {title}: {'; '.join(clauses[:4])}")
     mechanism = mechanism_section(
         results_dir,
-        [(f.name, f.title, f.mechanism_experiment) for f in all_families()],
+        mechanism_found(results_dir, all_families()),
         [(f.name, f.title, f.controls_experiment) for f in all_families()],
     )
     if mechanism:

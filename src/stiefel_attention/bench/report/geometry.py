@@ -28,6 +28,7 @@ from pathlib import Path
 from ..arms import BOUNDED_ARMS, arm_spec
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, provisional, save_figure, undefined
 from .stats import describe, paired_comparison
+from .summaries import BoundedAnswer, MechanismFound
 
 __all__ = [
     "Measure",
@@ -39,6 +40,7 @@ __all__ = [
     "sensitivity",
     "geometry_section",
     "verdicts_by_testbed",
+    "mechanism_found",
     "mechanism_section",
     "GEOMETRY_ARMS",
 ]
@@ -565,60 +567,43 @@ def _standing_words(c: dict, at: int | None) -> str:
     return "untested" if at is None else f"{c['arm']} {STANDING_WORDS[at]} {c['baseline']}"
 
 
+def mechanism_found(results_dir: Path, families: Sequence) -> list[MechanismFound]:
+    """Each family's answer from its mechanism experiment's summary under results_dir (its hook reads the summary
+    its own report wrote), placed: where the summary is and how many of its planned runs finished."""
+    found = []
+    for family in families:
+        experiment = family.mechanism_experiment
+        summary = _load(results_dir / family.name / str(experiment) / "summary.json") if experiment else None
+        answer = family.mechanism_answer(experiment, summary) if summary else None
+        if answer is not None:
+            runs = f"{summary['n_planned_done']}/{summary['n_planned']} runs" if summary.get("n_planned") else "runs"
+            found.append(MechanismFound(f"{family.name}/{experiment}", runs, family.title, answer))
+    return found
+
+
 def mechanism_section(
-    results_dir: Path, testbeds: list[tuple[str, str, str | None]], controls: list[tuple[str, str, str | None]] = ()
+    results_dir: Path, found: Sequence[MechanismFound], controls: list[tuple[str, str, str | None]] = ()
 ) -> list[str]:
     """REPORT.md lines of "The mechanism, by intervention": first one paragraph with each testbed's computed
-    answer (is the logit scale the mechanism; do the frames buy high-learning-rate stability), then per testbed
-    with an interventions or stability summary, its computed verdicts and the figure. testbeds: (family folder,
-    title, its mechanism experiment or None); controls: (family folder, title, its controls experiment or None),
-    whose comparisons say where the bounded frames stand at their tuned rates."""
+    answers (is the logit scale the mechanism; do the frames buy high-learning-rate stability), then per testbed
+    its section: the link to its summary, its lead and verdicts, the bounded arms' answers and the figure.
+    found: mechanism_found's records; controls: (family folder, title, its controls experiment or None), whose
+    comparisons say where the bounded frames stand at their tuned rates."""
     lines, answers = [], []
-    for family, title, experiment in testbeds:
-        summary = _load(results_dir / family / str(experiment) / "summary.json") if experiment else None
-        if not summary:
-            continue
-        where = f"{family}/{experiment}"
-        runs = f"{summary['n_planned_done']}/{summary['n_planned']} runs" if summary.get("n_planned") else "runs"
-        link = f"[{where}]({where}/summary.md) ({runs})"
-        if found := summary.get("interventions"):
-            answers.append(f"is the attention-logit scale the mechanism in {title}? {found['mechanism_verdict']}")
-            lines += [
-                f"### The mechanism, by intervention: {title}",
-                "",
-                f"{link}. In one sentence: **{found['mechanism_verdict']}**.",
-                "",
-                *([f"- {v}" for v in found["verdicts"]] + [""] if found["verdicts"] else []),
-            ]
-            if "mechanism_scatter.png" in summary.get("plots", []):
-                lines += [f"![epochs to 95% against the largest attention logit]({where}/mechanism_scatter.png)", ""]
-        if found := summary.get("stability"):
-            sens = "; ".join(
-                f"{label} {found['sensitivity'][label]['mean']:.3f}"
-                for label in found["labels"]
-                if label in found["sensitivity"]
-            )
-            vs = "; ".join(f"{c['arm']} {fmt_diff(c, 'nats/char', 3)}" for c in found["sensitivity_vs_adamw"])
-            answers.append(f"do the frames buy high-learning-rate stability in {title}? {found['verdict']}")
-            lines += [
-                f"### High learning rates: {title}",
-                "",
-                f"{link}. Precondition ({PRECONDITION_WORDS[found['precondition']['met']]}): "
-                f"{found['precondition']['text']}. Learning-rate sensitivity (nats/char, lower is more stable): "
-                f"{sens or 'not measured'}; against adamw: {vs or 'not measured'}. Do the frames buy "
-                f"high-learning-rate stability? **{found['verdict']}**.",
-                "",
-            ]
-            if bounded := found.get("bounded"):
-                answers.append(
-                    f"does bounding the whole logit buy qk-norm's stability? {bounded['verdict']['qk-norm']}"
-                )
-                lines += _bounded_lines(bounded, _bounded_at_tuned_rates(results_dir, controls))
-            if "lr_stability.png" in summary.get("plots", []):
-                lines += [
-                    f"![loss and largest attention logit against the learning rate]({where}/lr_stability.png)",
-                    "",
-                ]
+    for placed in found:
+        a = placed.answer
+        answers += [f"{q.question} {q.verdict}" for q in a.answers]
+        lines += [
+            f"### {a.heading}: {placed.title}",
+            "",
+            f"[{placed.where}]({placed.where}/summary.md) ({placed.runs}). {a.lead}",
+            "",
+            *([f"- {v}" for v in a.bullets] + [""] if a.bullets else []),
+        ]
+        if a.bounded is not None:
+            lines += _bounded_lines(a.bounded, _bounded_at_tuned_rates(results_dir, controls))
+        if a.figure is not None:
+            lines += [f"![{a.figure[0]}]({placed.where}/{a.figure[1]})", ""]
     if not answers:
         return lines
     return ["The mechanism in one paragraph, from the computed verdicts below: " + "; ".join(answers) + ".", "", *lines]
@@ -649,28 +634,27 @@ def _bounded_at_tuned_rates(results_dir: Path, controls: list[tuple[str, str, st
     return found
 
 
-def _bounded_lines(bounded: dict, tuned: dict[str, list[str]] | None = None) -> list[str]:
-    """REPORT's answers for the bounded-logit arms (lm.report._bounded_summary): three computed verdicts, the
-    largest logit of each against its bound by construction, and where the bounded frames stand at their tuned
-    rates in each testbed's controls (`_bounded_at_tuned_rates`)."""
+def _bounded_lines(bounded: BoundedAnswer, tuned: dict[str, list[str]] | None = None) -> list[str]:
+    """REPORT's answers for the bounded-logit arms: three computed verdicts, the largest logit of each against its
+    bound by construction, and where the bounded frames stand at their tuned rates in each testbed's controls
+    (`_bounded_at_tuned_rates`)."""
     tuned = tuned or {}
     at_rate = [
         f"- At the tuned rate, {BOUNDED_FRAMES} against {other} (paired by seed): {'; '.join(said)}."
         for other, said in tuned.items()
         if said
     ]
-    verdict = bounded["verdict"]
     largest = "; ".join(
-        f"{label} {bounded['largest'][label]:.1f} ({'no bound' if bound is None else f'bound {bound:.1f}'})"
-        for label, bound in sorted(bounded["bounds"].items())
+        f"{label} {bounded.largest[label]:.1f} ({'no bound' if bound is None else f'bound {bound:.1f}'})"
+        for label, bound in sorted(bounded.bounds.items())
     )
     return [
         "Frames whose logit is bounded by construction (`qk_input_norm`: the query and key projections read their "
         "input through an RMS norm without a gain, so |logit| <= max_temperature x d_model / sqrt(head_dim)):",
         "",
-        f"- Does the bound buy qk-norm's stability? **{verdict['qk-norm']}**.",
-        f"- Does it make the frames more stable? **{verdict['frames']}**.",
-        f"- Does it need the frames? **{verdict['needs frames']}**.",
+        f"- Does the bound buy qk-norm's stability? **{bounded.buys_qk_norm_stability}**.",
+        f"- Does it make the frames more stable? **{bounded.steadies_the_frames}**.",
+        f"- Does it need the frames? **{bounded.needs_the_frames}**.",
         f"- The largest attention logit over every multiplier, against the bound: {largest or 'not measured'}.",
         *at_rate,
         "",
