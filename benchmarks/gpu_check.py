@@ -188,7 +188,7 @@ def measure_optimizer_step(device, quick) -> dict:
 
 def measure_cifar_paper(device, quick) -> dict:
     from stiefel_attention.bench.arms import HyperParameters, attention_options, build_optimizers
-    from stiefel_attention.bench.cifar.run import PROFILES
+    from stiefel_attention.bench.cifar.config import PROFILES
     from stiefel_attention.bench.models import PatchViT
 
     prof = PROFILES["paper"]

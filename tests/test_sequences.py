@@ -95,9 +95,9 @@ def test_mqar_rejects_impossible_tasks():
 
 def test_mqar_test_set_is_fixed_and_apart_from_the_validation_set():
     cfg = mqar.make_config("smoke", "adamw", 0)
-    a = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar._TEST_SEED))
-    b = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar._TEST_SEED))
-    c = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar._VAL_SEED))
+    a = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar.TEST_SEED))
+    b = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar.TEST_SEED))
+    c = mqar._task(cfg, 8, torch.Generator().manual_seed(mqar.VAL_SEED))
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, HyperParameters, arm_spec, atten
 from .errors import NotReady
 
 __all__ = [
+    "run_timings",
     "Trainer",
     "warmup_cosine",
     "init_fingerprint",
@@ -212,3 +214,14 @@ def default_seeds(defaults: dict[str, int], experiment: str, profile: str) -> in
     if profile == "smoke":
         return 1 if experiment == "lr-sweep" else 2
     return defaults[experiment]
+
+
+def run_timings(t_start: float, t_train: float, device) -> dict:
+    """A record's timings: seconds training, seconds in all (since t_start, a perf_counter reading), where it ran
+    and on how many threads."""
+    return {
+        "train_s": t_train,
+        "total_s": time.perf_counter() - t_start,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }

@@ -18,7 +18,7 @@ from ..report.fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, save_figure
 from ..report.geometry import Measure, compare, peak, standing
 from ..report.stats import describe
 from ..report.summaries import Answer, MechanismAnswer
-from .protocol import INTERVENTION_KEYS, intervention_tag
+from .config import INTERVENTION_KEYS, intervention_tag
 
 __all__ = [
     "INTERVENTION_KEYS",

@@ -24,6 +24,8 @@ from ..report.geometry import (
     time_to,
 )
 from ..report.stats import paired_comparison
+from .config import GROK_THRESHOLD, SLINGSHOT_OPS
+from .config import PROTOCOL_SEEDS as INTERVENTION_SEEDS
 from .interventions import (
     interventions_markdown,
     interventions_summary,
@@ -31,8 +33,6 @@ from .interventions import (
     mechanism_scatter,
     variant,
 )
-from .protocol import GROK_THRESHOLD, SLINGSHOT_OPS
-from .protocol import PROTOCOL_SEEDS as INTERVENTION_SEEDS
 
 __all__ = ["grok_summary", "grok_markdown", "write_grok_report", "claim_rows"]
 

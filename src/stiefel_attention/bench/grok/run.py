@@ -25,73 +25,29 @@ import torch.nn.functional as F
 from ...manifold import isometry_error
 from ...metrics import attention_metrics
 from ...nn import qk_clip, qk_matrices, reset_logit_stats
-from ..arms import BOUNDED_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from ..arms import HyperParameters, arm_spec, attention_options, build_optimizers
 from ..family import Family
 from ..models import ModularTransformer
 from ..records import Cell
+from .config import (
+    ARMS,
+    BASE,
+    CONTROL_ARMS,
+    DECAY_VALUES,
+    DEFAULT_SEEDS,
+    EXPERIMENTS,
+    GROK_THRESHOLD,
+    INTERVENTION_KEYS,
+    INTERVENTIONS,
+    PROFILES,
+    SLINGSHOT,
+    SLINGSHOT_OPS,
+    STUDY_OPS,
+    intervention_tag,
+)
 from .interventions import mechanism_answer
-from .protocol import GROK_THRESHOLD, INTERVENTION_KEYS, PROTOCOL_SEEDS, SLINGSHOT_OPS, intervention_tag
 from .report import claim_rows, write_grok_report
 from .task import modular_task
-
-_REFERENCE = dict(p=113, d_model=128, n_heads=4, head_dim=32, d_mlp=512, n_layers=1, layernorm=False)
-PROFILES: dict[str, dict] = {
-    "smoke": dict(
-        model=dict(p=23, d_model=32, n_heads=2, head_dim=16, d_mlp=64, n_layers=1, layernorm=False),
-        epochs=300,
-        eval_every=10,
-        slingshot_epochs=400,
-    ),
-    # The reference widths do not fit 15 min per 20,000 epochs on one core (benchmarks/grok_speed.py
-    # measures both profiles; README). Halving every width and using p=97 (the prime of the original
-    # grokking paper) does; the `single` experiment shows whether this model still groks.
-    "cpu": dict(
-        model=dict(p=97, d_model=64, n_heads=4, head_dim=16, d_mlp=256, n_layers=1, layernorm=False),
-        epochs=20000,
-        eval_every=20,
-        slingshot_epochs=40000,
-    ),
-    "paper": dict(model=_REFERENCE, epochs=20000, eval_every=10, slingshot_epochs=100000),
-}
-# The usual reference optimisation (Nanda et al.'s setup): AdamW lr 1e-3, betas (0.9, 0.98),
-# weight decay 1.0, 10-step linear warm-up, full batch.
-BASE = dict(
-    lr=1e-3,
-    frame_lr=1e-3,
-    betas=[0.9, 0.98],
-    weight_decay=1.0,
-    warmup_steps=10,
-    train_fraction=0.3,
-    max_step=0.1,
-    regularize="all",
-)
-ARMS = ("adamw", "stiefel-adam")
-# The controls on a+b, mechanism-deciding arms first (they run first): no decay on Q/K, the constraint
-# by parametrization, frozen frames; then the modern baselines and the learnable temperature.
-# Every arm runs at the reference optimisation (lr 1e-3 for every parameter, W_Q and W_K included),
-# as the two original arms do: the grokking protocol has no learning-rate sweep. Muon's rate is on
-# AdamW's scale through adjust_lr_fn="match_rms_adamw".
-CONTROL_ARMS = ("adamw-qk-nodecay", "orthogonal-param", "frozen", "qk-norm", "muon", "stiefel-adam-temp", *BOUNDED_ARMS)
-DECAY_VALUES = (0.1, 0.3)  # weight decay of the `decay` experiment; 1.0 is the study's
-EXPERIMENTS = ("single", "study", "slingshot", "controls", "decay", "interventions")
-DEFAULT_SEEDS = {"single": 1, "study": 5, "slingshot": 1, "controls": 5, "decay": 5, "interventions": PROTOCOL_SEEDS}
-STUDY_OPS = ("+", "-")
-
-
-# The interventions on the attention-logit scale, run at the controls' optimisation (a+b, weight decay 1.0):
-# bound the logits of the arm that does not grok (QK-Clip, soft-cap) and raise those of the arm that does (a fixed
-# logit scale); a scale of 0 is uniform attention, which cannot route, on a+b and on a-b. A config holds an
-# intervention's key only when it has one, so the plain arms' cells (and records) are those of the controls/study.
-INTERVENTIONS: tuple[tuple[str, str, dict[str, float]], ...] = (
-    ("adamw", "+", {"qk_clip": 2.0}),
-    ("adamw", "+", {"qk_clip": 8.0}),
-    ("adamw", "+", {"logit_softcap": 2.0}),
-    ("adamw", "+", {"logit_softcap": 8.0}),
-    ("stiefel-adam", "+", {"logit_scale": 4.0}),
-    ("stiefel-adam", "+", {"logit_scale": 16.0}),
-    ("stiefel-adam", "+", {"logit_scale": 0.0}),
-    ("stiefel-adam", "-", {"logit_scale": 0.0}),
-)
 
 
 def make_config(profile: str, arm: str, seed: int, op: str = "+", **overrides) -> dict:
@@ -124,14 +80,6 @@ def _cell(cfg: dict, tag: str = "") -> Cell:
     op_name = {"+": "add", "-": "sub", "*": "mul", "/": "div"}[cfg["op"]]
     tag = intervention_tag(cfg).replace("+", "-") + tag
     return Cell("grok", f"{cfg['arm']}-s{cfg['seed']}-{op_name}{tag}", cfg)
-
-
-# Slingshot conditions (Thilak et al. 2022): Adam with NO weight decay on the model as a whole and
-# long training make the last layer's norm grow until the loss spikes and the network re-learns,
-# cycle after cycle. The pilot keeps those conditions for the routing frames and the unconstrained
-# Q/K alike and regularises only the rest of the circuit (embeddings, W_V, W_O, MLP, unembedding)
-# with a weak decay, the same in both arms: the arms differ only in whether Q/K are frames.
-SLINGSHOT = dict(weight_decay=0.1, regularize="non-qk", betas=[0.9, 0.98], eps=1e-8)  # pilots: SLINGSHOT_OPS
 
 
 def cells(experiment: str, profile: str, seeds: int = 5) -> list[Cell]:

@@ -52,7 +52,7 @@ from ..report.fmt import fmt_ci, fmt_p, fmt_runs, fmt_seeds, open_arms, provisio
 from ..report.stats import describe, paired_comparison
 from ..sequence.family import window_loss
 from ..text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
-from ..training import default_seeds, warmup_cosine
+from ..training import default_seeds, run_timings, warmup_cosine
 
 _RATES = dict(pretrain_lr=1e-2, lr=1e-3, frame_lr=1e-2, weight_decay=0.1, betas=[0.9, 0.99], max_step=0.1)
 PROFILES: dict[str, dict] = {
@@ -337,12 +337,7 @@ def run(
             "max_isometry_error": max(isometry, default=None),
         },
         "curves": curves,
-        "timings": {
-            "train_s": t_train,
-            "total_s": time.perf_counter() - t_start,
-            "device": str(device),
-            "threads": torch.get_num_threads(),
-        },
+        "timings": run_timings(t_start, t_train, device),
     }
 
 

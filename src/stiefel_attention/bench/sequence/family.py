@@ -4,18 +4,56 @@ supplies its profiles, its config and cell names, its own experiments, how a cel
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..arms import FACTORIAL_ARMS
+from ..arms import FACTORIAL_ARMS, arm_spec
 from ..family import Family
 from ..records import Cell
-from ..training import anchor_lr, default_seeds, sweep_note, sweep_points
+from ..training import anchor_lr, default_seeds, sweep_note, sweep_points, tuned_rates
 
-__all__ = ["SequenceFamily", "window_loss"]
+__all__ = ["SequenceFamily", "sequence_config", "window_loss"]
+
+
+def sequence_config(
+    family: str,
+    profiles: dict[str, dict],
+    profile: str,
+    arm: str,
+    seed: int,
+    split: str,
+    result_split: str,
+    settings: tuple[str, ...],
+    overrides: dict[str, Any],
+) -> dict:
+    """One cell's config of a sequence testbed: the profile's model, then its `settings` (the testbed's data and
+    training sizes, in this order), the arm's rates (tuned on the sweep's split, or the sweep's own where split
+    is not result_split), the optimizer's other settings, then overrides (refused for keys it does not have)."""
+    if profile not in profiles:
+        raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(profiles)}")
+    spec = arm_spec(arm)  # an unknown arm is refused first, with the arms named
+    prof = copy.deepcopy(profiles[profile])
+    cfg = dict(
+        profile=profile,
+        arm=arm,
+        seed=seed,
+        split=split,
+        model=prof["model"],
+        **{key: prof[key] for key in settings},
+        **tuned_rates(family, profiles, profile, arm, result_split, split),
+        weight_decay=prof["weight_decay"],
+        betas=prof["betas"],
+        max_step=prof["max_step"] if spec.trust_region else None,
+    )
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}")
+    cfg.update(overrides)
+    return cfg
 
 
 @torch.no_grad()
