@@ -653,7 +653,7 @@ def test_every_run_an_experiment_plans_is_one_that_report_takes(profile, tmp_pat
                 planned = fam.cells(experiment, profile)
             except NotReady:  # not planned yet at this profile: its command refuses too
                 continue
-            to_come += [{"name": c.name, "key": c.key, "family": c.family, "config": c.config} for c in planned]
+            to_come += planned
         placement = place_records(tmp_path / fam.name, fam, to_come)
         assert [r["name"] for r in placement.unplaced] == [], fam.name
 

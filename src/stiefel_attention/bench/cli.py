@@ -228,9 +228,8 @@ def _check_reportable(family, out: Path, cells: list, what: str) -> None:
     (cells of a non-default option, such as cifar's --n, beside the records of the default's)."""
     from .report.document import place_records
 
-    to_come = [{"name": c.name, "key": c.key, "family": c.family, "config": c.config} for c in cells]
     mine = {c.key for c in cells}
-    left = [r["name"] for r in place_records(out, family, to_come).unplaced if r["key"] in mine]
+    left = [r["name"] for r in place_records(out, family, cells).unplaced if r["key"] in mine]
     if left:
         raise UserError(
             f"{what}: {len(left)} of its {len(cells)} runs (e.g. {left[0]}) would be records that no summary of "

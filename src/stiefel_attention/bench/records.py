@@ -54,6 +54,11 @@ class Cell:
     def path(self, runs_dir: str | Path) -> Path:
         return Path(runs_dir) / f"{self.name}-{self.key}.json"
 
+    def planned_record(self) -> dict:
+        """What the record this cell will write holds of its identity (name, key, family, config), before it runs:
+        enough to place it among an experiment's records (report.place_records)."""
+        return {"name": self.name, "key": self.key, "family": self.family, "config": self.config}
+
 
 def strict(obj):
     """obj with every NaN or infinite float replaced by None, so that any JSON reader can load it."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..family import Family, Plan, all_families, get_family
-from ..records import read_record, write_json_atomic
+from ..records import Cell, read_record, write_json_atomic
 from .fmt import fmt_ci, fmt_p, fmt_t, open_arms, provisional
 from .geometry import geometry_section, mechanism_found, mechanism_section, verdicts_by_testbed
 
@@ -108,12 +108,12 @@ class Placement:
     stale: list[Path]
 
 
-def place_records(family_dir: str | Path, family: Family, to_come: Sequence[dict] = ()) -> Placement:
+def place_records(family_dir: str | Path, family: Family, to_come: Sequence[Cell] = ()) -> Placement:
     """Every record of one family's folder (<family_dir>/runs/*.json) sorted into the experiments that take it.
-    to_come: records a command is about to add (name, key, family and config suffice), placed as if there."""
+    to_come: cells a command is about to run, placed as if their records were there."""
     family_dir = Path(family_dir)
     runs = family_dir / "runs"
-    by_key = {r["key"]: r for r in [*to_come, *load_records(runs, family.name)]}
+    by_key = {r["key"]: r for r in [*(c.planned_record() for c in to_come), *load_records(runs, family.name)]}
     signatures = sorted({(r["config"]["profile"], r["config"].get("data_sha256") or "") for r in by_key.values()})
     profiles = sorted({p for p, _ in signatures})
     if len(profiles) > 1:  # their summaries would overwrite each other
