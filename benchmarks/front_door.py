@@ -84,7 +84,8 @@ def markdown_table(result: dict) -> str:
     lines = [
         f"Wall-clock time of each command a new user runs first (`benchmarks/front_door.py`, "
         f"{result['cpus']} cores, {result['machine']}, torch {result['torch']}, code {result['code_version']}); "
-        "the load average (1 min) before and after each shows how busy the machine was:",
+        "the load average (1 min) before and after each shows how busy the machine was. DIR is a fresh folder "
+        "of each command's own:",
         "",
         "| command | what | time | load before → after |",
         "|---|---|---|---|",
@@ -92,7 +93,7 @@ def markdown_table(result: dict) -> str:
     for row in result["rows"]:
         status = "" if row["returncode"] == 0 else f" (failed, exit {row['returncode']})"
         lines.append(
-            f"| `{row['command']}` | {row['what']} | {_duration(row['seconds'])}{status} | "
+            f"| `{row['command'].replace('{tmp}', 'DIR')}` | {row['what']} | {_duration(row['seconds'])}{status} | "
             f"{row['load_before']:.1f} → {row['load_after']:.1f} |"
         )
     return "\n".join(lines)
@@ -115,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", default=None, help="replace README's smoke-time block")
     parser.add_argument("--page", default=None, help="replace the page's front-door block")
     parser.add_argument("--only", default=None, help="comma-separated command names (default: every command)")
+    parser.add_argument("--from-json", default=None, help="write the blocks from this measurement; run nothing")
     args = parser.parse_args(argv)
+    if args.from_json:
+        return _write(json.loads(Path(args.from_json).read_text()), args)
     names = [c[0] for c in COMMANDS]
     chosen = names if args.only is None else args.only.split(",")
     unknown = set(chosen) - set(names)
@@ -146,14 +150,19 @@ def main(argv: list[str] | None = None) -> int:
         "code_version": code_version()[:7],
         "rows": rows,
     }
-    print(markdown_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return _write(result, args)
+
+
+def _write(result: dict, args: argparse.Namespace) -> int:
+    """Print the table; put it and the README's line between their markers where asked. Exit 1 if any failed."""
+    print(markdown_table(result))
     if args.page:
         replace_block(args.page, markdown_table(result), "<!-- front-door:start -->", "<!-- front-door:end -->")
     if args.readme:
         replace_block(args.readme, readme_line(result), "<!-- smoke-time:start -->", "<!-- smoke-time:end -->")
-    return 1 if any(r["returncode"] for r in rows) else 0
+    return 1 if any(r["returncode"] for r in result["rows"]) else 0
 
 
 if __name__ == "__main__":

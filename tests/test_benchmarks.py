@@ -46,7 +46,9 @@ def test_front_door_table_and_readme_line_say_each_time_its_load_and_any_failure
     import front_door
 
     result = {"cpus": 2, "machine": "x86_64", "torch": "2.13.0", "code_version": "abc1234"}
-    row = dict(name="reproduce", command="stiefel-attention reproduce --profile smoke", what="w", returncode=0)
+    row = dict(
+        name="reproduce", command="stiefel-attention reproduce --profile smoke --out {tmp}/r", what="w", returncode=0
+    )
     result["rows"] = [
         dict(row, seconds=754.0, load_before=2.0, load_after=3.5),
         dict(
@@ -60,7 +62,7 @@ def test_front_door_table_and_readme_line_say_each_time_its_load_and_any_failure
         ),
     ]
     table = front_door.markdown_table(result)
-    assert "| `stiefel-attention reproduce --profile smoke` | w | 12.6 min | 2.0 → 3.5 |" in table
+    assert "| `stiefel-attention reproduce --profile smoke --out DIR/r` | w | 12.6 min | 2.0 → 3.5 |" in table
     assert "| `stiefel-attention demo` | w | 22 s (failed, exit 1) | 0.4 → 0.6 |" in table
     assert front_door.readme_line(result).startswith("12.6 min measured on 2 cores at a load average of 2.0 to 3.5")
     assert "not measured yet" in front_door.readme_line(dict(result, rows=result["rows"][1:]))
