@@ -52,6 +52,8 @@ def test_the_findings_block_is_what_the_committed_summaries_say():
         "--readme README.md"
     )
     assert "[cifar/main](results/cifar/main/summary.md)" in block  # the headline claim, linked from the README
+    headline = next(line for line in block.splitlines() if line.startswith("- [cifar/main]"))
+    assert headline.endswith(": **does not replicate**")  # the verdict's kind; its reasons are in REPORT.md
     # where the bounded frames stand at their tuned rates, linked to REPORT's section that says so
     bounded = "- [Bounded frames](results/REPORT.md#high-learning-rates-character-level-lm-tiny-shakespeare) at the"
     assert bounded in block and "#### " not in block

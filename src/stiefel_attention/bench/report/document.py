@@ -364,7 +364,8 @@ def verdict_kind(verdict_text: str) -> str:
 def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str]:
     """The README's block of what was found, computed from the summaries under results_dir (links start with
     prefix, the folder as the README sees it): the claims tallied by verdict, the headline claims, each
-    testbed's answer to "when does the geometry dominate?" and the mechanism."""
+    testbed's answer to "when does the geometry dominate?" and the mechanism. A headline claim's verdict is said
+    in its first words (the kind, e.g. "does not replicate"); its reasons are in REPORT.md beside it."""
     results_dir = Path(results_dir)
     rows = [r for r in claim_rows(results_dir) if r[4] != "—"]
     paper = [r for r in rows if not r[2].startswith("(not the paper's")]
@@ -381,7 +382,7 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         for link, _, claim, measured, said, _ in rows:
             if link.startswith(f"[{folder}]") and claim.startswith(start):
                 where = link.replace("](", f"]({prefix}/", 1)
-                lines.append(f"- {where}: {claim} — measured {measured}: **{said}**")
+                lines.append(f"- {where}: {claim} — measured {measured}: **{said.split(': ', 1)[0]}**")
                 break
     for link, _, claim, _, said, _ in rows:
         if claim.startswith("(not the paper's"):
