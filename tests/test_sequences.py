@@ -136,6 +136,34 @@ def test_mqar_steps_to_99_is_the_first_evaluation_at_99(monkeypatch):
     assert rec["metrics"]["final_eval_acc"] == 1.0
 
 
+@pytest.mark.parametrize("failure", ["eigh", "nonfinite gradient"])
+def test_an_mqar_run_whose_frames_blow_up_is_recorded_as_never_solving_the_task(monkeypatch, failure):
+    """A diverged run is an outcome (its rate is too high), not a failed run with no record: it is censored at the
+    budget and counts as guessing in the final accuracy that breaks ties."""
+    from stiefel_attention.bench.mqar.report import _SWEEP_SCORE, FINAL_ACC, STEPS_TO_SOLVE
+    from stiefel_attention.optim import NonFiniteGradientError
+
+    real, calls = training.Trainer.step, []
+
+    def blows_up_at_the_fifth(self, loss):
+        calls.append(1)
+        if len(calls) == 5:
+            if failure == "eigh":
+                raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+            raise NonFiniteGradientError("a gradient is not finite")
+        return real(self, loss)
+
+    monkeypatch.setattr(training.Trainer, "step", blows_up_at_the_fifth)
+    cfg = mqar.make_config("smoke", "stiefel-adam", 0, steps=8, eval_every=2)
+    rec = {"config": cfg, **mqar.run(cfg)}
+    m = rec["metrics"]
+    assert m["diverged_at_step"] == 5 and m["step_eval_acc_99"] is None and m["final_eval_acc"] is None
+    assert m["best_eval_acc"] is not None and rec["curves"]["step"] == [2, 4]
+    assert STEPS_TO_SOLVE.value(rec) == 9 and STEPS_TO_SOLVE.censored(rec)
+    assert FINAL_ACC.value(rec) == pytest.approx(100 / cfg["vocab"])
+    assert _SWEEP_SCORE.value(rec) == pytest.approx(9 - 1 / cfg["vocab"])
+
+
 def test_untuned_arms_are_not_planned_on_the_cpu_profile(monkeypatch):
     tuned = {a: r for a, r in lm.PROFILES["cpu"]["tuned"].items() if a != "muon"}
     monkeypatch.setitem(lm.PROFILES["cpu"], "tuned", tuned)

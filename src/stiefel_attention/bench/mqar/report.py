@@ -28,7 +28,14 @@ from ..sequence.report import curve_plot, header, swept
 __all__ = ["STEPS_TO_SOLVE", "write_mqar_report"]
 
 
-FINAL_ACC = Measure("final test accuracy", "pp", lambda r: 100 * r["metrics"]["final_eval_acc"], True)
+def _final_acc(rec: dict) -> float:
+    """Final accuracy on the evaluation set (a fraction); a run that diverged counts as guessing (chance_acc, one
+    in the vocabulary), and says so in metrics.diverged_at_step."""
+    acc = rec["metrics"]["final_eval_acc"]
+    return rec["metrics"]["chance_acc"] if acc is None else acc
+
+
+FINAL_ACC = Measure("final test accuracy", "pp", lambda r: 100 * _final_acc(r), True)
 STEPS_TO_SOLVE = time_to(
     "steps to 99% test accuracy (never: budget + 1)", "steps", "step_eval_acc_99", "steps", FINAL_ACC
 )
@@ -37,7 +44,7 @@ STEPS_TO_SOLVE = time_to(
 _SWEEP_SCORE = Measure(
     "steps to 99% validation accuracy minus final accuracy",
     "steps",
-    lambda r: STEPS_TO_SOLVE.value(r) - r["metrics"]["final_eval_acc"],
+    lambda r: STEPS_TO_SOLVE.value(r) - _final_acc(r),
     False,
 )
 
@@ -57,7 +64,7 @@ def _difficulty(records: list[dict]) -> list[dict]:
                 "n": len(recs),
                 "solved": sum(r["metrics"]["step_eval_acc_99"] is not None for r in recs),
                 "median_steps": steps[len(steps) // 2],
-                "final_acc": describe([100 * r["metrics"]["final_eval_acc"] for r in recs]),
+                "final_acc": describe([100 * _final_acc(r) for r in recs]),
             }
         )
     return rows
@@ -77,7 +84,7 @@ def mqar_summary(experiment: str, records: list[dict]) -> dict:
         summary["task"] = [dict(zip(_TASK, t)) for t in sorted(tasks)]
         summary["controls"] = controls_summary(records, STEPS_TO_SOLVE)
         summary["final_acc"] = {
-            a: describe([100 * r["metrics"]["final_eval_acc"] for r in records if r["config"]["arm"] == a])
+            a: describe([100 * _final_acc(r) for r in records if r["config"]["arm"] == a])
             for a in sorted({r["config"]["arm"] for r in records})
         }
     elif experiment == "lr-sweep":

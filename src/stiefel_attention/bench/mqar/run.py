@@ -15,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ...optim import NonFiniteGradientError
 from ..models import CharGPT
 from ..records import Cell
 from ..sequence.family import SequenceFamily, sequence_config
@@ -97,15 +98,24 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
     curves: dict[str, list] = {"step": [], "train_loss": [], "eval_acc": []}
     mechanism: dict[str, list] = {}
     solved_at, running, seen, t_train = None, 0.0, 0, 0.0
+    diverged = None  # a diverged run is an outcome, recorded with its step: it never solves the task
     for step in range(1, cfg["steps"] + 1):
         t0 = time.perf_counter()
         xb, yb = _task(cfg, cfg["batch"], order)
         order_hash.update(xb[:, 0].numpy().tobytes())
         logits = model(xb.to(device))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.to(device).reshape(-1), ignore_index=IGNORE)
-        trainer.step(loss)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            diverged = step
+            break
+        try:
+            trainer.step(loss)
+        except (NonFiniteGradientError, torch.linalg.LinAlgError):  # a frame blown up: its polar factor fails
+            diverged = step
+            break
         t_train += time.perf_counter() - t0
-        running, seen = running + float(loss.detach()), seen + 1
+        running, seen = running + value, seen + 1
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             model.eval()
             curves["step"].append(step)
@@ -116,17 +126,16 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
             running, seen = 0.0, 0
             if solved_at is None and curves["eval_acc"][-1] >= SOLVED:
                 solved_at = step
-            if not math.isfinite(curves["train_loss"][-1]):
-                raise FloatingPointError(f"training loss became {curves['train_loss'][-1]} at step {step}")
         if progress is not None:
             progress(step, cfg["steps"])
     return {
         "pairing": {"init_sha256": trainer.fingerprint, "order_sha256": order_hash.hexdigest()[:16]},
         "metrics": {
-            "final_eval_acc": curves["eval_acc"][-1],
-            "best_eval_acc": max(curves["eval_acc"]),
+            "final_eval_acc": curves["eval_acc"][-1] if diverged is None else None,
+            "best_eval_acc": max(curves["eval_acc"], default=None),
             "step_eval_acc_99": solved_at,
             "eval_split": cfg["split"],
+            **({"diverged_at_step": diverged, "chance_acc": 1.0 / cfg["vocab"]} if diverged is not None else {}),
         },
         "curves": {**curves, "mechanism": mechanism},
         "timings": run_timings(t_start, t_train, device),
