@@ -43,9 +43,11 @@ def test_a_bad_seed_selection_is_refused_saying_why(text, why):
 
 
 def test_listed_seeds_plan_the_very_runs_a_count_plans_for_those_seeds():
+    from stiefel_attention.bench.experiment import RunRequest, seed_cells
+
     family = get_family("mqar")
-    request = cli.RunRequest(family, "main", "smoke", Path("unused"), {}, None, seeds=(1, 3))
-    listed = cli._seed_cells(request)
+    request = RunRequest(family, "main", "smoke", Path("unused"), {}, None, seeds=(1, 3))
+    listed = seed_cells(request)
     counted = family.cells("main", "smoke", 4)
     assert {c.config["seed"] for c in listed} == {1, 3}
     assert [c.key for c in listed] == [c.key for c in counted if c.config["seed"] in (1, 3)]
@@ -189,8 +191,8 @@ def test_reproduce_hands_each_experiment_to_run_experiment_as_one_request(tmp_pa
     corpus.write_text("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n" * 40)
     seen: list = []
     monkeypatch.setattr(family_module, "FAMILY_MODULES", ("lm", "mqar"))
-    monkeypatch.setattr(cli, "_cmd_certify", lambda args: 0)
-    monkeypatch.setattr(cli, "_cmd_report", lambda args: 0)
+    monkeypatch.setattr(cli, "certify_into", lambda path, seed: 0)
+    monkeypatch.setattr(cli, "report_folder", lambda *args: 0)
     monkeypatch.setattr(cli, "run_experiment", lambda request: seen.append(request) or 0)
     out = tmp_path / "r"
     argv = ["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1", "--no-progress", "--text", str(corpus)]

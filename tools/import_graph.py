@@ -7,11 +7,12 @@ Read from the source with `ast` (nothing is imported), so it also sees imports i
 the benchmark suite, lowest first; a module may import its own layer and the ones below, never one above, and a
 family package never imports another family:
 
-    base      records, errors, lock, partial, claims, family, runner, models, arms, kong, text, training
-    report    bench.report.*: statistics, formatting, comparisons, summaries as typed records, REPORT.md
-    sequence  bench.sequence.*: the base that lm, mqar and pretrained train and report on
-    families  bench.cifar, bench.grok, bench.lm, bench.mqar, bench.pretrained (each a package)
-    cli       bench.cli
+    base        records, errors, lock, partial, claims, family, runner, models, arms, kong, text, training
+    report      bench.report.*: statistics, formatting, comparisons, summaries as typed records, REPORT.md
+    sequence    bench.sequence.*: the base that lm, mqar and pretrained train and report on
+    families    bench.cifar, bench.grok, bench.lm, bench.mqar, bench.pretrained (each a package)
+    experiment  bench.experiment: a run request, its preflight and its run (families reached by the registry)
+    cli         bench.cli: flags to requests
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "stiefel_attention"
 BENCH = "stiefel_attention.bench"
 FAMILIES = ("cifar", "grok", "lm", "mqar", "pretrained")
-LAYERS = ("base", "report", "sequence", "families", "cli")
+LAYERS = ("base", "report", "sequence", "families", "experiment", "cli")
 
 
 def module_name(path: Path) -> str:
@@ -74,7 +75,7 @@ def layer(module: str) -> str | None:
     if not module.startswith(BENCH):
         return None
     parts = module[len(BENCH) + 1 :].split(".")
-    if parts[0] in ("report", "sequence", "cli"):
+    if parts[0] in ("report", "sequence", "experiment", "cli"):
         return parts[0]
     return "families" if parts[0] in FAMILIES else "base"
 

@@ -22,13 +22,18 @@ import functools
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from .family import FAMILY_MODULES, Family, UserError, all_families, family_names, get_family, with_data
+from .experiment import (
+    RunRequest,
+    check_device,
+    check_folder_for,
+    default_results_dir,
+    run_experiment,
+)
+from .family import FAMILY_MODULES, UserError, all_families, family_names, get_family
 
 EXIT_FAILED_CHECK = 1
 EXIT_USAGE = 2
@@ -47,20 +52,25 @@ def _check_output_file(path: str, flag: str) -> None:
 
 
 def _cmd_certify(args: argparse.Namespace) -> int:
+    return certify_into(args.json, args.seed)
+
+
+def certify_into(json_path: str | None, seed: int) -> int:
+    """Certify the propositions (float64), print the table, and write it to json_path (checked first) if given."""
     from ..certify import certify, format_table, to_json
 
-    if args.json:
-        _check_output_file(args.json, "--json")
+    if json_path:
+        _check_output_file(json_path, "--json")
     t0 = time.perf_counter()
-    results = certify(seed=args.seed)
+    results = certify(seed=seed)
     print(format_table(results))
     print(f"({time.perf_counter() - t0:.1f} s)")
-    if args.json:
+    if json_path:
         try:
-            to_json(results, args.json, args.seed)
+            to_json(results, json_path, seed)
         except OSError as err:
-            raise UserError(f"cannot write --json {args.json}: {err.strerror}") from None
-        print(f"wrote {args.json}")
+            raise UserError(f"cannot write --json {json_path}: {err.strerror}") from None
+        print(f"wrote {json_path}")
     return 0 if all(c.passed for c in results) else EXIT_FAILED_CHECK
 
 
@@ -76,7 +86,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
-    _check_device(args.device)
+    check_device(args.device)
     device = torch.device(args.device or "cpu")
     torch.set_flush_denormal(True)
     gen = torch.Generator().manual_seed(args.seed)
@@ -203,67 +213,6 @@ def _executor(args: argparse.Namespace):
     return InlineExecutor() if args.jobs == 1 else LocalExecutor(args.jobs)
 
 
-def default_results_dir(profile: str) -> Path:
-    """`results` holds the committed cpu-profile records; other profiles get their own folder, so a
-    smoke run can never mix its records into (or overwrite the summaries of) the measured ones."""
-    return Path("results") if profile == "cpu" else Path(f"results-{profile}")
-
-
-def _check_folder(family, runs_dir: Path, profile: str, run_options: dict) -> None:
-    """Before any run: the folder can take records, and holds (or is running) only this profile and data."""
-    from .lock import Claims
-    from .records import ensure_writable
-    from .runner import check_folder
-
-    ensure_writable(runs_dir)
-    hint = f" (default {default_results_dir(profile)})"
-    data = family.data_key(run_options).get("data_sha256")
-    claims = Claims(runs_dir)
-    with claims.folder():
-        check_folder(runs_dir, profile, data, run_options.get("data"), claims, hint)
-
-
-def _check_reportable(family, out: Path, cells: list, what: str) -> None:
-    """Before any run: `report` on the folder will take every record these cells write, rather than leave it out
-    (cells of a non-default option, such as cifar's --n, beside the records of the default's)."""
-    from .report.document import place_records
-
-    mine = {c.key for c in cells}
-    left = [r["name"] for r in place_records(out, family, cells).unplaced if r["key"] in mine]
-    if left:
-        raise UserError(
-            f"{what}: {len(left)} of its {len(cells)} runs (e.g. {left[0]}) would be records that no summary of "
-            f"{out} takes, beside the records there of the same experiment at its default settings (which `report` "
-            "reports); run them into a results folder of their own (--out DIR), where they are that experiment"
-        )
-
-
-def _check_device(device: str | None) -> None:
-    """--device names a device this machine has: checked once, before any run, not by every run failing."""
-    if device is None:
-        return
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError, ValueError) as err:
-        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"--device {device!r} cannot be used here: {why}") from None
-
-
-def _chosen_arms(arms: str | None, cells: list, what: str) -> list[str]:
-    """The arms of --arms (comma-separated), each checked against the experiment's; [] means all."""
-    if not arms:
-        return []
-    chosen = [a.strip() for a in arms.split(",") if a.strip()]
-    known = list(dict.fromkeys(c.config["arm"] for c in cells))
-    unknown = [a for a in chosen if a not in known]
-    if unknown or not chosen:
-        raise UserError(
-            f"--arms {arms!r}: {what} has no arm {', '.join(unknown) or '(none given)'}; "
-            f"its arms are {', '.join(known)}"
-        )
-    return chosen
-
-
 def parse_seeds(text: str) -> int | tuple[int, ...]:
     """--seeds: a count N (seeds 0..N-1, as before), a range A-B (both ends included) or a list A,B,...;
     ranges and lists may mix ("0-2,7"). A count is returned as an int, anything else as sorted seeds."""
@@ -301,43 +250,10 @@ def parse_setting(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
-@dataclass(frozen=True)
-class RunRequest:
-    """One experiment to run, as a command asked for it (a family's command, or reproduce for each experiment):
-    everything from the command line that the run needs, checked where it could be before any run."""
-
-    family: Family
-    experiment: str
-    profile: str
-    out: Path  # the family's results folder; records go to out/runs
-    run_options: dict  # where to run, not what (the family's data source), checked by family.run_options
-    executor: Any  # runner's LocalExecutor, InlineExecutor or RayExecutor
-    seeds: int | tuple[int, ...] | None = None  # a count, listed seeds, or the experiment's protocol
-    arms: str | None = None  # --arms as given (comma-separated), checked against the experiment's arms
-    settings: dict = field(default_factory=dict)  # --set, in every run's config
-    cell_options: dict = field(default_factory=dict)  # the family's planning options (cifar's --n)
-    device: str | None = None
-    progress: bool = True
-
-
-def _seed_cells(request: RunRequest) -> list:
-    """The experiment's cells for the request's seeds: a count is the family's own; listed seeds are the cells of
-    seeds 0..max whose seed is listed, so a listed seed's run is the very run (same key) a count would plan."""
-    family, seeds = request.family, request.seeds
-    if not isinstance(seeds, tuple):
-        return family.cells(request.experiment, request.profile, seeds, **request.cell_options)
-    cells = family.cells(request.experiment, request.profile, 1 + max(seeds), **request.cell_options)
-    chosen = [c for c in cells if c.config.get("seed") in seeds]
-    if not chosen:
-        have = sorted({c.config.get("seed") for c in cells})
-        raise UserError(f"--seeds: {family.name} {request.experiment} has no run of seeds {seeds} (it has {have})")
-    return chosen
-
-
 def _family_command(args: argparse.Namespace) -> int:
     """`stiefel-attention <family> --experiment NAME ...`: the flags as one RunRequest, then run_experiment."""
     family = get_family(args.command)
-    _check_device(args.device)
+    check_device(args.device)
     request = RunRequest(
         family=family,
         experiment=args.experiment,
@@ -355,76 +271,20 @@ def _family_command(args: argparse.Namespace) -> int:
     return run_experiment(request)
 
 
-def run_experiment(request: RunRequest) -> int:
-    """Run the request's missing cells after the checks that need no run (folder, data, reportability), then
-    write the experiment's summary of the folder; 1 if a run failed."""
-    from .report.document import load_records
-    from .runner import InlineExecutor, run_cells
-
-    family, out = request.family, request.out
-    if family.name not in FAMILY_MODULES and not isinstance(request.executor, InlineExecutor):
-        raise UserError(
-            f"{family.name} was added by register_family in this process, and worker processes start without it: "
-            "run it with --jobs 1 (in this process)"
-        )
-    what = f"{family.name} --experiment {request.experiment}"
-    cells = with_data(_seed_cells(request), {"settings": request.settings} if request.settings else {})
-    chosen = _chosen_arms(request.arms, cells, what)
-    cells = with_data(cells, family.data_key(request.run_options))
-    _check_folder(family, out / "runs", request.profile, request.run_options)
-    _check_reportable(family, out, cells, what)
-    # each long run says how far it is: every minute beside a bar, every 10 minutes in a log (--no-progress)
-    options = {**request.run_options, "device": request.device, "heartbeat_s": 60.0 if request.progress else 600.0}
-    cells = [type(c)(c.family, c.name, c.config, options) for c in cells]
-    to_run = [c for c in cells if not chosen or c.config["arm"] in chosen]
-    print(_run_count_header(request, cells, to_run, chosen, family.describe(request.run_options)))
-    if note := family.plan_note(request.experiment, request.profile):
-        print(f"note: {note}")
-    _, failures = run_cells(
-        to_run, out / "runs", request.executor, progress=request.progress, desc=f"{family.name} {request.experiment}"
-    )
-    # the folder's summary of the experiment, as `report` writes it (it takes every record of these cells: checked)
-    by_key = {r["key"]: r for r in load_records(out / "runs", family.name)}
-    finished = family.experiment_records(request.experiment, request.profile, by_key)
-    plan = family.plan(request.experiment, request.profile, finished)
-    family.write_summary(out, request.experiment, finished, request.profile, plan, by_key)
-    print((out / request.experiment / "summary.md").read_text())
-    for cell, err in failures:
-        print(f"FAILED {cell.name}: {type(err).__name__}: {err}", file=sys.stderr)
-    return 1 if failures else 0
-
-
-def _run_count_header(request: RunRequest, cells: list, to_run: list, chosen: list[str], about: str) -> str:
-    """What this command will run: the runs selected (--arms, --seeds applied), how many of them are already
-    recorded, and what the selection leaves out of the experiment."""
-    runs = request.out / "runs"
-    done = sum(c.path(runs).is_file() for c in to_run)
-    parts = [f"{request.family.name} {request.experiment}: {len(to_run)} runs (profile {request.profile})"]
-    if done:
-        parts.append(f"{done} already recorded, {len(to_run) - done} to run")
-    if about:
-        parts.append(about)
-    if chosen:
-        parts.append(f"arms {', '.join(chosen)} only (the experiment has {len(cells)} runs at these seeds)")
-    if isinstance(request.seeds, tuple):
-        parts.append(f"seeds {', '.join(map(str, request.seeds))}")
-    return ", ".join(parts) + f", records in {runs}"
-
-
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     """certify, then every family's experiments through the same code path as their own commands, then report."""
     from .report.document import check_placed, place_records
 
     out = Path(args.out or default_results_dir(args.profile))
     families = all_families()
-    _check_device(args.device)
+    check_device(args.device)
     _executor(args)  # validates --executor / --jobs (and that Ray is installed) up front
     for family in families:  # data, output folders: say so now, not after certification or an hour in
-        _check_folder(family, out / family.name / "runs", args.profile, family.run_options(args))
+        check_folder_for(family, out / family.name / "runs", args.profile, family.run_options(args))
     check_placed([place_records(out / f.name, f) for f in families], args.leave_out_unplanned)  # the final report's
     print(f"== certify (float64) -> {out / 'certify.json'}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    if _cmd_certify(argparse.Namespace(json=str(out / "certify.json"), seed=0)) != 0:
+    if certify_into(str(out / "certify.json"), seed=0) != 0:
         print(
             "certification failed: the optimizer does not satisfy the propositions; no experiment was run",
             file=sys.stderr,
@@ -453,7 +313,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
                 print(f"not run: {family.name} {experiment}: {err}", file=sys.stderr, flush=True)
                 refused.append(f"{family.name} {experiment} ({err})")
     print(f"\n== report {out}", flush=True)
-    _cmd_report(argparse.Namespace(dir=str(out), beside=[], leave_out_unplanned=args.leave_out_unplanned))
+    report_folder(str(out), [], args.leave_out_unplanned)
     print(f"\nclaim by claim: {out / 'REPORT.md'}")
     if failed:
         print(f"some runs failed in: {', '.join(failed)} (rerun the same command to retry only those)", file=sys.stderr)
@@ -467,7 +327,7 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
     from .records import Cell, read_record, write_json_atomic
     from .runner import execute_cell, record_differences
 
-    _check_device(args.device)
+    check_device(args.device)
     reruns: list[dict] = []
     if args.json:  # before any re-run, which may take an hour: the file can be written
         try:
@@ -521,17 +381,21 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    return report_folder(args.dir, args.beside, args.leave_out_unplanned, getattr(args, "readme", None))
+
+
+def report_folder(folder: str, beside: list[str], leave_out_unplanned: bool, readme: str | None = None) -> int:
+    """Rebuild every summary of a results folder (or of one family's folder) from its records, then REPORT.md
+    (with the folders beside it) and, if readme names one, that README's findings block."""
     from .report.document import load_records, rebuild_all, rebuild_family
 
-    where = Path(args.dir)
+    where = Path(folder)
     if not where.is_dir():
-        raise UserError(
-            f"{args.dir} is not a folder (expected a results folder with <family>/runs inside, e.g. results)"
-        )
+        raise UserError(f"{folder} is not a folder (expected a results folder with <family>/runs inside, e.g. results)")
     if not any((where / name / "runs").is_dir() for name in family_names()):
         if not (where / "runs").is_dir():
             raise UserError(
-                f"{args.dir} holds no run records: expected a results folder with <family>/runs inside "
+                f"{folder} holds no run records: expected a results folder with <family>/runs inside "
                 f"({', '.join(family_names())}; e.g. results) or one family's folder with runs/ inside "
                 "(e.g. results/grok)"
             )
@@ -540,19 +404,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if len(names) != 1 or not names <= set(family_names()):
             raise UserError(f"{where / 'runs'} holds records of {', '.join(sorted(names))}: expected one family's")
         family = get_family(names.pop())
-        for path in rebuild_family(where, family, args.leave_out_unplanned):
+        for path in rebuild_family(where, family, leave_out_unplanned):
             print(f"wrote {path}")
         print(f"REPORT.md covers a whole results folder: stiefel-attention report {where.parent.as_posix()}")
         return 0
-    for other in args.beside:
+    for other in beside:
         if not Path(other).is_dir() or Path(other).resolve() == where.resolve():
-            raise UserError(f"--beside {other}: expected another results folder (e.g. results), next to {args.dir}")
-    for path in rebuild_all(where, args.beside, args.leave_out_unplanned):
+            raise UserError(f"--beside {other}: expected another results folder (e.g. results), next to {folder}")
+    for path in rebuild_all(where, beside, leave_out_unplanned):
         print(f"wrote {path}")
-    if getattr(args, "readme", None):  # reproduce's report writes no README
+    if readme:  # reproduce's report writes no README
         from .report.document import write_findings
 
-        print(f"wrote {write_findings(args.readme, where)} (its findings block)")
+        print(f"wrote {write_findings(readme, where)} (its findings block)")
     return 0
 
 
