@@ -162,6 +162,9 @@ def test_an_mqar_run_whose_frames_blow_up_is_recorded_as_never_solving_the_task(
     assert STEPS_TO_SOLVE.value(rec) == 9 and STEPS_TO_SOLVE.censored(rec)
     assert FINAL_ACC.value(rec) == pytest.approx(100 / cfg["vocab"])
     assert _SWEEP_SCORE.value(rec) == pytest.approx(9 - 1 / cfg["vocab"])
+    summary = mqar_summary("main", [{**rec, "name": "x-s0"}])
+    assert summary["diverged"] == [{"run": "x-s0", "step": 5}]
+    assert "x-s0 at step 5." in mqar_markdown({**summary, "n_planned": 1, "n_planned_done": 1}, "smoke")
 
 
 def test_untuned_arms_are_not_planned_on_the_cpu_profile(monkeypatch):

@@ -105,6 +105,9 @@ def mqar_summary(experiment: str, records: list[dict]) -> dict:
             }
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
+    diverged = [(r["name"], r["metrics"]["diverged_at_step"]) for r in records if r["metrics"].get("diverged_at_step")]
+    if diverged:  # said only where it happened
+        summary["diverged"] = [{"run": name, "step": step} for name, step in sorted(diverged)]
     return summary
 
 
@@ -158,6 +161,13 @@ def mqar_markdown(summary: dict, profile: str) -> str:
                 f"final accuracy {acc['mean_diff']:+.1f} pp {fmt_ci(acc['ci95'], 1)}; {fmt_seeds(steps['n_seeds'])}"
             )
         lines.append("")
+    if diverged := summary.get("diverged"):
+        runs = "; ".join(f"{d['run']} at step {d['step']}" for d in diverged)
+        lines += [
+            f"Diverged ({len(diverged)} runs: a loss or gradient stopped being finite, or a frame's polar factor "
+            f"failed; each counts as never solving the task and as guessing in the final accuracy): {runs}.",
+            "",
+        ]
     lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
     return "\n".join(lines) + "\n"
 
