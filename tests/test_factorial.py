@@ -187,3 +187,28 @@ def test_the_factorial_plans_every_cell_and_variant_and_reuses_the_other_experim
     shared = fam.cells("main" if family != "cifar" else "controls", "smoke")
     both = {c.key for c in plan} & {c.key for c in shared}
     assert {c.config["arm"] for c in plan if c.key in both} >= {"adamw", "stiefel-adam", "qk-norm"}
+
+
+def test_report_answers_the_title_per_testbed_from_its_factorial_summary(tmp_path):
+    """REPORT's factorial section: the decomposition's sentence where every cell ran, else why not, with the runs."""
+    import json
+
+    from stiefel_attention.bench.report.factorial import factorial_report_section, factorial_section
+
+    full = factorial_section(_records(lambda a, s: (a in "cd") + 0.01 * s), _Measure(), _ARMS, _G, _O)
+    part = factorial_section(_records(lambda a, s: float(s), arms=("a", "b", "c")), _Measure(), _ARMS, _G, _O)
+    for family, section, plots in (("one", full, ["factorial.png"]), ("two", part, [])):
+        (tmp_path / family / "factorial").mkdir(parents=True)
+        summary = {"factorial": section.to_dict(), "n_planned": 16, "n_planned_done": 12, "plots": plots}
+        (tmp_path / family / "factorial" / "summary.json").write_text(json.dumps(summary))
+    testbeds = [("one", "first", "factorial"), ("two", "second", "factorial"), ("three", "third", None)]
+    lines = factorial_report_section(tmp_path, testbeds)
+    assert lines[0] == "## Geometry or optimizer? The factorial"
+    first = next(line for line in lines if line.startswith("- first:"))
+    assert first.startswith("- first: [one/factorial](one/factorial/summary.md) (12/16 runs): of the spread between")
+    assert "the geometry carries the most" in first
+    assert "  ![first: the cell means](one/factorial/factorial.png)" in lines
+    second = next(line for line in lines if line.startswith("- second:"))
+    assert second.endswith("no decomposition: the factorial misses 1 cells: frames x sgd.")
+    assert not any("third" in line for line in lines)
+    assert factorial_report_section(tmp_path, [("three", "third", None)]) == []  # no factorial: no section

@@ -353,6 +353,7 @@ class CifarFamily(Family):
     name = "cifar"
     progress_unit = "epoch"
     title = "CIFAR-10 patches (PatchViT)"
+    factorial_experiment = "factorial"
     help = "CIFAR-10 patch benchmark experiments (paired seeds)"
     profiles = PROFILES
     experiments = EXPERIMENTS

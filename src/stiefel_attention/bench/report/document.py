@@ -19,6 +19,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..family import Family, Plan, all_families, get_family
 from ..records import Cell, read_record, write_json_atomic
+from .factorial import factorial_report_section
 from .fmt import fmt_ci, fmt_p, fmt_t, open_arms, provisional
 from .geometry import geometry_section, mechanism_found, mechanism_section, verdicts_by_testbed
 
@@ -302,6 +303,9 @@ def write_claims_report(
         [(f.name, f.title, f.controls_experiment) for f in all_families()],
     )
     lines += mechanism
+    tables = [(f.name, f.title, f.factorial_experiment) for f in all_families()]
+    factorial = factorial_report_section(results_dir, tables)
+    lines += ([""] if lines[-1] else []) + factorial if factorial else []
     report = results_dir / "REPORT.md"
     report.write_text("\n".join(lines) + "\n")
     runs = ", ".join(f"`{f.name}/runs`" for f in all_families() if (results_dir / f.name / "runs").is_dir())

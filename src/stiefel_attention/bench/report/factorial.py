@@ -32,6 +32,7 @@ __all__ = [
     "decompose",
     "factorial_markdown",
     "factorial_plot",
+    "factorial_report_section",
     "factorial_section",
     "suite_factorial",
     "two_way_shares",
@@ -344,3 +345,38 @@ def factorial_plot(section: FactorialSection, out_dir, made: list[str]) -> None:
     ax.set_xlabel("optimizer family on W_Q, W_K")
     ax.set_ylabel("geometry of W_Q, W_K")
     save_figure(fig, out_dir, "factorial.png", made, dpi=110)
+
+
+def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, str | None]]) -> list[str]:
+    """REPORT.md lines of "Geometry or optimizer? The factorial": per testbed with a factorial summary under
+    results_dir, its runs, its answer (the decomposition's sentence, or why there is none yet) and its heat map.
+    testbeds: (family folder, title, its factorial experiment or None)."""
+    import json
+    from pathlib import Path
+
+    rows = []
+    for family, title, experiment in testbeds:
+        path = Path(results_dir) / family / str(experiment) / "summary.json"
+        if not experiment or not path.exists():
+            continue
+        summary = json.loads(path.read_text())
+        section = FactorialSection.from_dict(summary["factorial"])
+        where = f"{family}/{experiment}"
+        runs = f"{summary['n_planned_done']}/{summary['n_planned']} runs" if summary.get("n_planned") else "runs"
+        answer = section.sentence if section.decomposition is not None else section.not_yet
+        rows += [f"- {title}: [{where}]({where}/summary.md) ({runs}): {answer}."]
+        if "factorial.png" in summary.get("plots", []):
+            rows += ["", f"  ![{title}: the cell means]({where}/factorial.png)"]
+        rows.append("")
+    if not rows:
+        return []
+    return [
+        "## Geometry or optimizer? The factorial",
+        "",
+        "The title's question as a two-way table per testbed: rows the geometry of W_Q, W_K, columns the optimizer "
+        "family that steps them, every cell at its own tuned rate and everything else AdamW; the share of the "
+        "spread between cells that the geometry, the optimizer and their interaction carry, once every cell has "
+        "run (grokking has none: docs/benchmarks.md says why).",
+        "",
+        *rows,
+    ]

@@ -81,6 +81,8 @@ class SequenceFamily(Family):
 
     and may plan experiments of its own in `own_cells`."""
 
+    factorial_experiment = "factorial"
+
     main_arms: tuple[str, ...] = ()
     default_seeds: dict[str, int] = {}
     sweep_extensions: dict[str, dict[str, tuple[float, ...]]] = {}
