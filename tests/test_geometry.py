@@ -469,10 +469,10 @@ def test_the_bounded_frames_are_placed_against_adamw_and_the_plain_frames_at_the
     lines = _mechanism(tmp_path, "lm", controls=[("mqar", "recall", "main")])
     adamw = [line for line in lines if "stiefel-adam-bounded against adamw" in line]
     frames = [line for line in lines if "stiefel-adam-bounded against stiefel-adam" in line]
-    assert adamw == ["- At the tuned rate, stiefel-adam-bounded against adamw (paired by seed): recall: behind adamw "
-                     "(+105 steps [+84, +126], 4 seeds, p_W=0.12)."]  # fmt: skip
-    assert frames[0].startswith("- At the tuned rate, stiefel-adam-bounded against stiefel-adam (paired by seed): "
-                                "recall: level with stiefel-adam (-1 steps")  # fmt: skip
+    rates = "each testbed at its own rates (tuned where it has a sweep), paired by seed"
+    behind = "recall: behind adamw (+105 steps [+84, +126], 4 seeds, p_W=0.12)"
+    assert adamw == [f"- stiefel-adam-bounded against adamw, {rates}: {behind}."]
+    assert frames[0].startswith(f"- stiefel-adam-bounded against stiefel-adam, {rates}: recall: level with")
     assert _mechanism(tmp_path, "lm") == [
-        line for line in lines if "At the tuned rate" not in line
+        line for line in lines if "each testbed at its own rates" not in line
     ]  # without controls, no such line

@@ -55,7 +55,7 @@ def test_the_findings_block_is_what_the_committed_summaries_say():
     headline = next(line for line in block.splitlines() if line.startswith("- [cifar/main]"))
     assert headline.endswith(": **does not replicate**")  # the verdict's kind; its reasons are in REPORT.md
     # where the bounded frames stand at their tuned rates, linked to REPORT's section that says so
-    bounded = "- [Bounded frames](results/REPORT.md#high-learning-rates-character-level-lm-tiny-shakespeare) at the"
+    bounded = "- [Bounded frames](results/REPORT.md#high-learning-rates-character-level-lm-tiny-shakespeare): stiefel"
     assert bounded in block and "#### " not in block
     report = (root / "results" / "REPORT.md").read_text()
     assert "### High learning rates: character-level LM (tiny Shakespeare)" in report

@@ -21,7 +21,13 @@ from ..family import Family, Plan, all_families, get_family
 from ..records import Cell, read_record, write_json_atomic
 from .factorial import factorial_report_section
 from .fmt import fmt_ci, fmt_p, fmt_t, open_arms, provisional
-from .geometry import geometry_section, mechanism_found, mechanism_section, verdicts_by_testbed
+from .geometry import (
+    bounded_standings,
+    geometry_section,
+    mechanism_found,
+    mechanism_section,
+    verdicts_by_testbed,
+)
 
 __all__ = [
     "load_records",
@@ -407,9 +413,8 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         lines.append(f"- [The mechanism]({anchor.split('#')[0]}#the-mechanism-by-intervention-{_slug(mechanism)}): "
                      f"{answers}")  # fmt: skip
         high = f"{anchor.split('#')[0]}#high-learning-rates-{_slug(mechanism, '### High learning rates: ')}"
-        for line in mechanism:  # where the bounded frames stand at their tuned rates, testbed by testbed
-            if line.startswith("- At the tuned rate, "):
-                lines.append(f"- [Bounded frames]({high}) {line[2:].replace('At the tuned rate', 'at the tuned rate')}")
+        controls = [(f.name, f.title, f.controls_experiment) for f in all_families()]
+        lines += [f"- [Bounded frames]({high}): {said}." for said in bounded_standings(results_dir, controls)]
     return lines
 
 

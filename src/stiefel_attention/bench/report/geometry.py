@@ -40,6 +40,7 @@ __all__ = [
     "sensitivity",
     "geometry_section",
     "verdicts_by_testbed",
+    "bounded_standings",
     "mechanism_found",
     "mechanism_section",
     "GEOMETRY_ARMS",
@@ -601,7 +602,7 @@ def mechanism_section(
             *([f"- {v}" for v in a.bullets] + [""] if a.bullets else []),
         ]
         if a.bounded is not None:
-            lines += _bounded_lines(a.bounded, _bounded_at_tuned_rates(results_dir, controls))
+            lines += _bounded_lines(a.bounded, bounded_standings(results_dir, controls))
         if a.figure is not None:
             lines += [f"![{a.figure[0]}]({placed.where}/{a.figure[1]})", ""]
     if not answers:
@@ -612,9 +613,10 @@ def mechanism_section(
 BOUNDED_FRAMES = "stiefel-adam-bounded"
 
 
-def _bounded_at_tuned_rates(results_dir: Path, controls: list[tuple[str, str, str | None]]) -> dict[str, list[str]]:
-    """Where the bounded frames stand at their tuned rates, per testbed with a controls summary that has them:
-    against adamw, and against the plain frames (each: standing words and the paired difference)."""
+def bounded_standings(results_dir: Path, controls: list[tuple[str, str, str | None]]) -> list[str]:
+    """Where the bounded frames stand, one sentence against adamw and one against the plain frames, each listing
+    every testbed whose controls summary has them (standing words and the paired difference). Each testbed runs
+    each arm at its own rate for it: the one its sweep chose, or its protocol's where it has no sweep."""
     found: dict[str, list[str]] = {"adamw": [], "stiefel-adam": []}
     for family, title, experiment in controls:
         summary = (_load(results_dir / family / str(experiment) / "summary.json") or {}).get("controls")
@@ -631,19 +633,18 @@ def _bounded_at_tuned_rates(results_dir: Path, controls: list[tuple[str, str, st
             digits = 0 if m["unit"] in ("steps", "epochs") else 3 if m["unit"].startswith("nats") else 2
             other = "adamw" if pair[1] == "adamw" else "stiefel-adam"
             found[other].append(f"{title}: {STANDING_WORDS[at]} {other} ({fmt_diff(c, m['unit'], digits)})")
-    return found
-
-
-def _bounded_lines(bounded: BoundedAnswer, tuned: dict[str, list[str]] | None = None) -> list[str]:
-    """REPORT's answers for the bounded-logit arms: three computed verdicts, the largest logit of each against its
-    bound by construction, and where the bounded frames stand at their tuned rates in each testbed's controls
-    (`_bounded_at_tuned_rates`)."""
-    tuned = tuned or {}
-    at_rate = [
-        f"- At the tuned rate, {BOUNDED_FRAMES} against {other} (paired by seed): {'; '.join(said)}."
-        for other, said in tuned.items()
+    return [
+        f"{BOUNDED_FRAMES} against {other}, each testbed at its own rates (tuned where it has a sweep), paired by "
+        f"seed: {'; '.join(said)}"
+        for other, said in found.items()
         if said
     ]
+
+
+def _bounded_lines(bounded: BoundedAnswer, standings: Sequence[str] = ()) -> list[str]:
+    """REPORT's answers for the bounded-logit arms: three computed verdicts, the largest logit of each against its
+    bound by construction, and where the bounded frames stand in each testbed's controls (`bounded_standings`)."""
+    at_rate = [f"- {sentence}." for sentence in standings]
     largest = "; ".join(
         f"{label} {bounded.largest[label]:.1f} ({'no bound' if bound is None else f'bound {bound:.1f}'})"
         for label, bound in sorted(bounded.bounds.items())
