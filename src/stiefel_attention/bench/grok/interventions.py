@@ -53,7 +53,7 @@ def _mean_present(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def _standing(c: dict | None) -> int | None:
+def _standing_or_fallback(c: dict | None) -> int | None:
     """+1 if the run is significantly better than the baseline, -1 worse, 0 level; None if not compared.
 
     On epochs to 95% (fewer is better), unless every run of both is censored there (all equal to the budget + 1):
@@ -70,7 +70,7 @@ def _on(c: dict | None) -> str:
 
 def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
     """Does bounding AdamW's logits reproduce the frames' grokking?"""
-    a, s = _standing(vs_adamw), _standing(vs_stiefel)
+    a, s = _standing_or_fallback(vs_adamw), _standing_or_fallback(vs_stiefel)
     if a is None or s is None:
         return "not yet testable (fewer than 2 paired seeds)"
     n = fmt_seeds(min(vs_adamw["n_seeds"], vs_stiefel["n_seeds"]))
@@ -88,7 +88,7 @@ def _verdict_bound(vs_adamw: dict | None, vs_stiefel: dict | None) -> str:
 
 def _verdict_raise(vs_stiefel: dict | None, vs_adamw: dict | None) -> str:
     """Does raising (or removing) the frames' logit scale take their advantage away?"""
-    s, a = _standing(vs_stiefel), _standing(vs_adamw)
+    s, a = _standing_or_fallback(vs_stiefel), _standing_or_fallback(vs_adamw)
     if s is None or a is None:
         return "not yet testable (fewer than 2 paired seeds)"
     n = fmt_seeds(min(vs_adamw["n_seeds"], vs_stiefel["n_seeds"]))

@@ -808,7 +808,8 @@ def _verdict(
             for c in lead_changes({"measure": m, "key": "weight_decay", "leads": leads})
         )
         parts.append(f"stiefel-adam's standing against adamw as weight decay grows (paired by seed): {steps}")
-    where = _standing({lead["weight_decay"]: lead["fallback"] for lead in leads if "fallback" in lead}, fallback or {})
+    fallbacks = {lead["weight_decay"]: lead["fallback"] for lead in leads if "fallback" in lead}
+    where = _standings_by_value(fallbacks, fallback or {})
     if where:
         parts.append(
             f"where every run is censored, on {fallback['name']} stiefel-adam is "
@@ -826,7 +827,7 @@ def _change_words(change: dict) -> str:
     return _CHANGE_WORDS[change_direction(change)]
 
 
-def _standing(leads: dict, m: dict) -> dict[str, list[str]]:
+def _standings_by_value(leads: dict, m: dict) -> dict[str, list[str]]:
     """{'ahead of' | 'level with' | 'behind' | 'one seed only against': [values]} from {value: stiefel-adam -
     adamw comparison}, in the order of the values."""
     where: dict[str, list[str]] = {}
@@ -876,7 +877,7 @@ def lead_trend(summary: dict, digits: int = 2) -> str:
         return ""
     name = key.replace("_", " ")
     sentences = []
-    where = _standing({lead[key]: lead for lead in leads if not lead.get("all_censored")}, m)
+    where = _standings_by_value({lead[key]: lead for lead in leads if not lead.get("all_censored")}, m)
     if where:
         sentences.append(
             "stiefel-adam is "
