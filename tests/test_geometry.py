@@ -476,3 +476,18 @@ def test_the_bounded_frames_are_placed_against_adamw_and_the_plain_frames_at_the
     assert _mechanism(tmp_path, "lm") == [
         line for line in lines if "each testbed at its own rates" not in line
     ]  # without controls, no such line
+
+
+def test_plan_progress_reads_what_write_experiment_adds_to_every_summary():
+    from stiefel_attention.bench.report.summaries import PlanProgress
+
+    summary = {"n_records": 7, "n_planned": 8, "n_planned_done": 6, "planned_by_arm": {"a": [4, 4], "b": [2, 4]}}
+    progress = PlanProgress.of(summary)
+    assert progress.runs() == "6/8 runs" and progress.begun() == ["b 2/4"]
+    assert progress.open_arms(("a", "b")) == ["b 2/4"] and progress.open_arms(("a",)) == []
+    assert progress.sentence() == (
+        "7 finished runs (6 of the 8 planned cells, 1 beyond the plan); finished of planned per arm: a 4/4, b 2/4"
+    )
+    assert PlanProgress.of({"n_records": 1}).runs() == "runs" and PlanProgress.of({"n_records": 1}).sentence() == (
+        "1 finished run"
+    )

@@ -28,6 +28,7 @@ from .geometry import (
     mechanism_section,
     verdicts_by_testbed,
 )
+from .summaries import PlanProgress
 
 __all__ = [
     "load_records",
@@ -250,7 +251,8 @@ def claim_rows(results_dir: str | Path) -> list[tuple[str, str, str, str, str, s
     for path in sorted(results_dir.glob("*/*/summary.json")):
         s = json.loads(path.read_text())
         family, exp = path.parent.parent.name, path.parent.name
-        done = f" ({s['n_planned_done']}/{s['n_planned']} runs)" if s.get("n_planned") else ""
+        progress = PlanProgress.of(s)
+        done = f" ({progress.runs()})" if progress.n_planned else ""
         link = f"[{family}/{exp}]({family}/{exp}/summary.md){done}"
         prof = s.get("profile", "?")
         plots = ", ".join(f"[{Path(p).stem}]({family}/{exp}/{Path(p).name})" for p in s.get("plots", [])) or "—"

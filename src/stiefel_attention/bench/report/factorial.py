@@ -24,6 +24,7 @@ import numpy as np
 
 from .fmt import fmt_ci
 from .stats import paired_comparison
+from .summaries import PlanProgress
 
 __all__ = [
     "CellResult",
@@ -362,7 +363,7 @@ def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, str
         summary = json.loads(path.read_text())
         section = FactorialSection.from_dict(summary["factorial"])
         where = f"{family}/{experiment}"
-        runs = f"{summary['n_planned_done']}/{summary['n_planned']} runs" if summary.get("n_planned") else "runs"
+        runs = PlanProgress.of(summary).runs()
         answer = section.sentence if section.decomposition is not None else section.not_yet
         rows += [f"- {title}: [{where}]({where}/summary.md) ({runs}): {answer}."]
         if "factorial.png" in summary.get("plots", []):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .summaries import PlanProgress
+
 __all__ = ["fmt_ci", "fmt_p", "fmt_runs", "fmt_t", "open_arms", "provisional", "save_figure", "undefined"]
 
 
@@ -31,37 +33,13 @@ def fmt_seeds(n: int) -> str:
 
 
 def fmt_runs(summary: dict) -> str:
-    """'N finished runs', and how many of the experiment's planned cells they cover when it has a plan.
-
-    The records can outnumber the finished planned cells (seeds of a cell shared with another experiment);
-    the sentence then says so instead of reading as a complete plan.
-    """
-    n, total = summary["n_records"], summary.get("n_planned")
-    runs = f"{n} finished run" + ("" if n == 1 else "s")
-    if not total:
-        return runs
-    done = summary.get("n_planned_done", n)
-    text = (
-        f"{runs} of {total} planned"
-        if done == n
-        else f"{runs} ({done} of the {total} planned cells, {n - done} beyond the plan)"
-    )
-    if by_arm := summary.get("planned_by_arm"):
-        ran = [f"{arm} {k}/{of}" for arm, (k, of) in by_arm.items() if k]
-        idle = [arm for arm, (k, _) in by_arm.items() if not k]
-        text += "; finished of planned per arm: " + ", ".join(ran)
-        text += f"; not run yet: {', '.join(idle)}" if idle else ""
-    return text
+    """'N finished runs', and how many of the experiment's planned cells they cover (PlanProgress.sentence)."""
+    return PlanProgress.of(summary).sentence()
 
 
 def open_arms(summary: dict, arms) -> list[str]:
-    """'arm done/total', in the plan's order, for each of `arms` whose planned runs have not all finished
-    ('done/total' for a plan of one arm); empty where a comparison of these arms is final. An arm the plan does
-    not hold has nothing to wait for."""
-    if by_arm := summary.get("planned_by_arm"):
-        return [f"{arm} {done}/{total}" for arm, (done, total) in by_arm.items() if arm in arms and done < total]
-    done, total = summary.get("n_planned_done"), summary.get("n_planned")
-    return [f"{done}/{total}"] if total and done < total else []
+    """The arms among `arms` whose planned runs have not all finished (PlanProgress.open_arms)."""
+    return PlanProgress.of(summary).open_arms(arms)
 
 
 def provisional(verdict: str, waiting: list[str], decided: bool) -> str:

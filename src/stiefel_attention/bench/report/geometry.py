@@ -28,7 +28,7 @@ from pathlib import Path
 from ..arms import BOUNDED_ARMS, arm_spec
 from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, provisional, save_figure, undefined
 from .stats import describe, paired_comparison
-from .summaries import BoundedAnswer, MechanismFound
+from .summaries import BoundedAnswer, MechanismFound, PlanProgress
 
 __all__ = [
     "Measure",
@@ -577,7 +577,7 @@ def mechanism_found(results_dir: Path, families: Sequence) -> list[MechanismFoun
         summary = _load(results_dir / family.name / str(experiment) / "summary.json") if experiment else None
         answer = family.mechanism_answer(experiment, summary) if summary else None
         if answer is not None:
-            runs = f"{summary['n_planned_done']}/{summary['n_planned']} runs" if summary.get("n_planned") else "runs"
+            runs = PlanProgress.of(summary).runs()
             found.append(MechanismFound(f"{family.name}/{experiment}", runs, family.title, answer))
     return found
 
@@ -684,7 +684,8 @@ def _testbeds(
             profile = whole.get("profile") or decay_whole.get("profile")
             named = f"{title}, profile {profile}" if label and profile else title
             where = (prefix / family / str(controls_exp)).as_posix()
-            row = _testbed_row(where, named, controls, decay, whole.get("planned_by_arm"))
+            begun = PlanProgress.of(whole).begun() if whole else []
+            row = _testbed_row(where, named, controls, decay, begun)
             found[family] = (title, row, decay, whole or None)
     return found
 
@@ -693,9 +694,10 @@ DIGITS = {"epochs": 0, "steps": 0, "nats/char": 3}  # decimals per unit; 2 other
 
 
 def _testbed_row(
-    where: str, title: str, controls: dict | None, decay: dict | None, planned_by_arm: dict | None = None
+    where: str, title: str, controls: dict | None, decay: dict | None, begun: list[str] = ()
 ) -> tuple[str, ...]:
-    """One row of the table; its verdict holds 'so far' while an arm the controls have begun lacks planned runs."""
+    """One row of the table; its verdict holds 'so far' while an arm the controls have begun lacks planned runs
+    (begun: 'arm done/total' of each, PlanProgress.begun)."""
     summary = controls or decay
     m = summary["measure"]
     unit = m["unit"]
@@ -709,7 +711,6 @@ def _testbed_row(
     lead_txt = "; ".join(f"wd {lead['weight_decay']:g}: {_lead_cell(lead, decay, digits)}" for lead in leads)
     mech = (controls or {}).get("mechanism", {})
     verdict = _verdict(sens, vs, leads, m, digits, mech, (decay or {}).get("fallback_measure"))
-    begun = [f"{arm} {done}/{total}" for arm, (done, total) in (planned_by_arm or {}).items() if 0 < done < total]
     verdict = provisional(verdict, begun, decided=True)
     return (link, f"{m['name']} ({unit})", sens_txt, vs_txt, lead_txt or "not run", verdict)
 

@@ -1,6 +1,7 @@
 """Typed records that carry one module's results to another, so that no module reads another's dict keys.
 
-A family's summary.json is written and read by the family's own report module. What the report layer needs of it
+Every summary.json starts with what document.write_experiment adds to it (`PlanProgress`: the runs and how far
+the plan is); the rest is written and read by the family's own report module. What the report layer needs of it
 for REPORT.md comes through the family's hooks as one of these records (`Family.mechanism_answer` returns a
 `MechanismAnswer`); the geometry x optimizer table is its own record (factorial.FactorialSection).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Answer", "BoundedAnswer", "MechanismAnswer", "MechanismFound"]
+__all__ = ["Answer", "BoundedAnswer", "MechanismAnswer", "MechanismFound", "PlanProgress"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,62 @@ class MechanismFound:
     runs: str  # "k/n runs", or "runs" when the summary has no plan
     title: str  # the testbed in words
     answer: MechanismAnswer
+
+
+@dataclass(frozen=True)
+class PlanProgress:
+    """How far an experiment's summary has got: its records and, where it has a plan, the planned cells finished
+    (in all and per arm while the plan is open). Written into every summary by document.write_experiment."""
+
+    n_records: int
+    n_planned: int | None = None
+    n_planned_done: int | None = None
+    by_arm: dict[str, tuple[int, int]] | None = None  # arm -> (finished, planned), only while the plan is open
+
+    @classmethod
+    def of(cls, summary: dict) -> PlanProgress:
+        by_arm = summary.get("planned_by_arm")
+        return cls(
+            summary.get("n_records", 0),
+            summary.get("n_planned"),
+            summary.get("n_planned_done"),
+            {arm: (done, total) for arm, (done, total) in by_arm.items()} if by_arm else None,
+        )
+
+    def runs(self) -> str:
+        """'k/n runs' of the plan, or 'runs' for a summary without one."""
+        return f"{self.n_planned_done}/{self.n_planned} runs" if self.n_planned else "runs"
+
+    def open_arms(self, arms) -> list[str]:
+        """'arm done/total', in the plan's order, for each of arms whose planned runs have not all finished
+        ('done/total' for a plan of one arm); empty where a comparison of these arms is final."""
+        if self.by_arm:
+            return [
+                f"{arm} {done}/{total}" for arm, (done, total) in self.by_arm.items() if arm in arms and done < total
+            ]
+        done, total = self.n_planned_done, self.n_planned
+        return [f"{done}/{total}"] if total and done < total else []
+
+    def begun(self) -> list[str]:
+        """'arm done/total' for each arm that has begun but not finished its planned runs."""
+        return [f"{arm} {done}/{total}" for arm, (done, total) in (self.by_arm or {}).items() if 0 < done < total]
+
+    def sentence(self) -> str:
+        """'N finished runs', and how many of the planned cells they cover when there is a plan. The records can
+        outnumber the finished planned cells (seeds of a cell shared with another experiment); it then says so."""
+        n, total = self.n_records, self.n_planned
+        runs = f"{n} finished run" + ("" if n == 1 else "s")
+        if not total:
+            return runs
+        done = n if self.n_planned_done is None else self.n_planned_done
+        text = (
+            f"{runs} of {total} planned"
+            if done == n
+            else f"{runs} ({done} of the {total} planned cells, {n - done} beyond the plan)"
+        )
+        if self.by_arm:
+            ran = [f"{arm} {k}/{of}" for arm, (k, of) in self.by_arm.items() if k]
+            idle = [arm for arm, (k, _) in self.by_arm.items() if not k]
+            text += "; finished of planned per arm: " + ", ".join(ran)
+            text += f"; not run yet: {', '.join(idle)}" if idle else ""
+        return text
