@@ -337,6 +337,25 @@ def test_lr_stability_plans_every_rate_times_m_and_shares_main_at_m_1():
     assert x64["adamw-s0-lrx64-clip50"]["qk_clip"] == lm.PROFILES["cpu"]["qk_clip_tau"]
 
 
+def test_an_lm_run_whose_frames_blow_up_is_recorded_as_diverged(monkeypatch, corpus_file):
+    """The polar factor's eigh failing on frames far off the manifold is the run diverging, as a non-finite loss."""
+    real, calls = training.Trainer.step, []
+
+    def fails_at_the_fourth(self, loss):
+        calls.append(1)
+        if len(calls) == 4:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return real(self, loss)
+
+    monkeypatch.setattr(training.Trainer, "step", fails_at_the_fourth)
+    cfg = {
+        **lm.make_config("smoke", "stiefel-adam", 0, steps=8, eval_every=2),
+        **lm.FAMILY.data_key({"data": corpus_file}),
+    }
+    m = lm.run(cfg, data=str(corpus_file), device="cpu")["metrics"]
+    assert m["diverged_at_step"] == 4 and m["final_val_loss"] is None
+
+
 def test_a_diverging_lm_run_is_recorded_with_its_step_not_raised(corpus_file):
     cfg = {
         **lm.make_config("smoke", "adamw", 0, steps=30, eval_every=10, lr=1e4),

@@ -13,10 +13,17 @@ from torch import nn
 
 from ..metrics import attention_metrics
 from ..nn import routing_parameters
+from ..optim import NonFiniteGradientError
 from .arms import BOUNDED_ARMS, FACTORIAL_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
 from .errors import NotReady
 
+# What an optimizer step raises when training has blown up, not when the code is wrong: a gradient that is not
+# finite (StiefelAdam refuses it), or frames so far from the manifold that the polar factor's eigh fails. The
+# sequence testbeds record either as the run diverging at that step.
+BLOWN_UP = (NonFiniteGradientError, torch.linalg.LinAlgError)
+
 __all__ = [
+    "BLOWN_UP",
     "run_timings",
     "Trainer",
     "warmup_cosine",

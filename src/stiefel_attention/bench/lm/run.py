@@ -22,14 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from ...nn import qk_clip, reset_logit_stats
-from ...optim import NonFiniteGradientError
 from ..errors import NotReady
 from ..family import check_data
 from ..models import CharGPT
 from ..records import Cell
 from ..sequence.family import SequenceFamily, sequence_config, window_loss
 from ..text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
-from ..training import Trainer, log_mechanism, run_timings
+from ..training import BLOWN_UP, Trainer, log_mechanism, run_timings
 from .config import (
     DEFAULT_SEEDS,
     EXPERIMENTS,
@@ -124,7 +123,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             break
         try:
             trainer.step(loss)
-        except NonFiniteGradientError:
+        except BLOWN_UP:
             diverged = step
             break
         if tau is not None:

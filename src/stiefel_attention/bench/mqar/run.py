@@ -15,11 +15,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ...optim import NonFiniteGradientError
 from ..models import CharGPT
 from ..records import Cell
 from ..sequence.family import SequenceFamily, sequence_config
-from ..training import Trainer, log_mechanism, run_timings
+from ..training import BLOWN_UP, Trainer, log_mechanism, run_timings
 from .config import (
     DEFAULT_SEEDS,
     DIFFICULTY_ARMS,
@@ -111,7 +110,7 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
             break
         try:
             trainer.step(loss)
-        except (NonFiniteGradientError, torch.linalg.LinAlgError):  # a frame blown up: its polar factor fails
+        except BLOWN_UP:
             diverged = step
             break
         t_train += time.perf_counter() - t0
