@@ -700,3 +700,52 @@ def test_the_pilot_folder_is_refused_by_this_code_rather_than_reported_without_i
         check_placed(placements, leave_out_unplanned=False)
     assert "lm/runs: 19 of its 19 records" in str(refused.value)
     assert "results-pilot/mqar/lr-sweep/summary.json: this code writes no summary there" in str(refused.value)
+
+
+@pytest.mark.parametrize("failure", ["eigh", "nonfinite gradient", "nonfinite loss"])
+def test_a_cifar_run_that_blows_up_is_recorded_as_diverged_and_counts_as_guessing(fake_cifar, monkeypatch, failure):
+    """A rate too high for an arm is an outcome of the sweep, not a run with no record."""
+    import types
+
+    from stiefel_attention.bench.cifar.report import TEST_ACCURACY
+    from stiefel_attention.optim import NonFiniteGradientError
+
+    calls = []
+    if failure == "nonfinite loss":
+        real_forward = cifar.PatchViT.forward
+
+        def forward(self, x):
+            out = real_forward(self, x)
+            if self.training:
+                calls.append(1)
+                return out * float("nan") if len(calls) == 2 else out
+            return out
+
+        monkeypatch.setattr(cifar.PatchViT, "forward", forward)
+    else:
+        real_build = cifar.build_optimizers
+
+        def build(*args, **kwargs):
+            opts = real_build(*args, **kwargs)
+            first, real_step = opts[0], opts[0].step
+
+            def step(self, *a, **k):
+                calls.append(1)
+                if len(calls) == 2:
+                    if failure == "eigh":
+                        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+                    raise NonFiniteGradientError("a gradient is not finite")
+                return real_step(*a, **k)
+
+            first.step = types.MethodType(step, first)  # bound, as the LR scheduler expects
+            return opts
+
+        monkeypatch.setattr(cifar, "build_optimizers", build)
+    cfg = cifar.make_config("smoke", "stiefel-adam", 0, N_TRAIN, epochs=3, eval_every=1, n_test=None)
+    cfg.update(cifar.FAMILY.data_key({"data": fake_cifar}))
+    steps_per_epoch = max(1, N_TRAIN // cfg["batch_size"])
+    rec = {"config": cfg, **cifar.run(cfg, data=fake_cifar, device="cpu")}
+    m = rec["metrics"]
+    assert m["diverged_at_epoch"] == 1 + 1 // steps_per_epoch  # the second training step's epoch
+    assert m["final_eval_acc"] is None and m["qk_isometry_error"] is None and m["final_train_loss"] is None
+    assert TEST_ACCURACY.value(rec) == pytest.approx(10.0)

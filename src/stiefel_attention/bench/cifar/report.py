@@ -29,7 +29,10 @@ __all__ = ["cifar_summary", "summary_markdown", "write_cifar_report", "claim_row
 
 
 def _acc_pp(rec: dict) -> float:
-    return 100.0 * rec["metrics"]["final_eval_acc"]
+    """Final accuracy in percent; a run that diverged counts as guessing (chance_acc, one class in ten), and says so
+    in metrics.diverged_at_epoch."""
+    acc = rec["metrics"]["final_eval_acc"]
+    return 100.0 * (rec["metrics"]["chance_acc"] if acc is None else acc)
 
 
 TEST_ACCURACY = Measure("final test accuracy", "pp", _acc_pp, higher_is_better=True)

@@ -32,7 +32,7 @@ from ..errors import NotReady
 from ..family import Family, check_data, data_of, with_data
 from ..models import PatchViT
 from ..records import Cell
-from ..training import init_fingerprint, run_timings, warmup_cosine
+from ..training import BLOWN_UP, init_fingerprint, run_timings, warmup_cosine
 from .config import (
     ABLATION_ARMS,
     CONTROL_ARMS,
@@ -51,6 +51,7 @@ from .config import (
     SCALING_SEEDS,
 )
 from .data import (
+    CIFAR10_CLASSES,
     CIFAR10_URL,
     DEFAULT_CIFAR10_SHA256,
     SourceNotFound,
@@ -284,7 +285,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
     curves = {"epoch": [], "train_loss": [], "train_acc": [], "eval_acc": [], "movement_median": []}
     mechanism: dict[str, list] = {}
     probe = x_train[:256]  # a fixed batch (the first training images of the seed's subset) for the attention metrics
-    t_train = 0.0
+    t_train, diverged = 0.0, None  # a diverged run is an outcome, recorded with its epoch
     for epoch in range(1, cfg["epochs"] + 1):
         t0 = time.perf_counter()
         perm = torch.randperm(n, generator=order_gen).to(device)
@@ -304,9 +305,13 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
                 o.zero_grad(set_to_none=True)
             loss.backward()
             before = [p.detach().clone() for p in qk()]
-            for o, s in zip(opts, scheds):
-                o.step()
-                s.step()
+            try:
+                for o, s in zip(opts, scheds):
+                    o.step()
+                    s.step()
+            except BLOWN_UP:
+                diverged = epoch
+                break
             with torch.no_grad():
                 # Frobenius movement of each head's W_Q / W_K matrix (d_model x head_dim) this step
                 per_head = torch.cat([torch.linalg.matrix_norm(p.detach() - q) for p, q in zip(qk(), before)])
@@ -315,6 +320,10 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             correct += int((logits.argmax(-1) == yb).sum())
             seen += len(yb)
         t_train += time.perf_counter() - t0
+        if diverged is None and not math.isfinite(loss_sum):
+            diverged = epoch
+        if diverged is not None:
+            break
         if epoch % cfg["eval_every"] == 0 or epoch == cfg["epochs"]:
             curves["epoch"].append(epoch)
             curves["train_loss"].append(loss_sum / seen)
@@ -327,22 +336,21 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             model.train()
         if progress is not None:
             progress(epoch, cfg["epochs"])
-        if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"training loss became {loss_sum} at epoch {epoch}")
 
-    iso = max(float(isometry_error(p)) for p in qk())
+    iso = max(float(isometry_error(p)) for p in qk()) if diverged is None else None
     pairing["order_sha256"] = order_hash.hexdigest()[:16]
     return {
         "data_source": ds.source,
         "data_sha256": ds.sha256,
         "pairing": pairing,
         "metrics": {
-            "final_eval_acc": curves["eval_acc"][-1],
-            "best_eval_acc": max(curves["eval_acc"]),
+            "final_eval_acc": curves["eval_acc"][-1] if diverged is None else None,
+            "best_eval_acc": max(curves["eval_acc"], default=None),
             "eval_split": cfg["split"],
-            "final_train_loss": curves["train_loss"][-1],
+            "final_train_loss": curves["train_loss"][-1] if diverged is None else None,
             "qk_isometry_error": iso,
-            "movement_median": statistics.median(curves["movement_median"]),
+            "movement_median": statistics.median(curves["movement_median"]) if curves["movement_median"] else None,
+            **({"diverged_at_epoch": diverged, "chance_acc": 1.0 / len(CIFAR10_CLASSES)} if diverged else {}),
         },
         "curves": {**curves, "mechanism": mechanism},
         "timings": run_timings(t_start, t_train, device),
