@@ -21,6 +21,7 @@ from ..nn import qk_parameters
 from ..optim import LandingStiefelAdam, StiefelAdam, StiefelMuon, StiefelSGD, param_groups
 
 __all__ = [
+    "FACTORIAL_HELP",
     "ARMS",
     "BOUNDED_ARMS",
     "BOUNDED_MAX_TEMPERATURE",
@@ -335,6 +336,8 @@ BOUNDED_ARMS = ("stiefel-adam-bounded", "adamw-bounded", "stiefel-adam-bounded-t
 # (everything else AdamW in every cell); each cell an arm.
 FACTORIAL_GEOMETRIES = ("euclidean", "qk-norm", "frames", "bounded frames")
 FACTORIAL_OPTIMIZERS = ("adam", "muon", "sgd")
+# what a testbed's `factorial` experiment answers (its line in `list` and --help)
+FACTORIAL_HELP = "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters"
 FACTORIAL: dict[tuple[str, str], str] = {
     ("euclidean", "adam"): "adamw",
     ("euclidean", "muon"): "muon",

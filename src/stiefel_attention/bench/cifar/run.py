@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ...manifold import isometry_error
 from ...metrics import attention_metrics
 from ...nn import qk_matrices
-from ..arms import FACTORIAL_ARMS, HyperParameters, arm_spec, attention_options, build_optimizers
+from ..arms import FACTORIAL_ARMS, FACTORIAL_HELP, HyperParameters, arm_spec, attention_options, build_optimizers
 from ..errors import NotReady
 from ..family import Family, check_data, data_of, with_data
 from ..models import PatchViT
@@ -373,7 +373,7 @@ class CifarFamily(Family):
         "movement": "how far W_Q, W_K travel from their start under each optimizer",
         "lr-sweep": "each arm's learning rates, scored on a validation split carved from train",
         "controls": "every geometry of W_Q, W_K at its tuned rate: when does the geometry matter?",
-        "factorial": "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters",
+        "factorial": FACTORIAL_HELP,
         "decay": "the stiefel-adam lead against weight decay (the decay-exemption explanation)",
     }
     claimed = ("main", "scaling", "ablation", "eps", "movement")

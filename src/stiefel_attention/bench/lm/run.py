@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ...nn import qk_clip, reset_logit_stats
+from ..arms import FACTORIAL_HELP
 from ..errors import NotReady
 from ..family import check_data
 from ..models import CharGPT
@@ -179,7 +180,7 @@ class LMFamily(SequenceFamily):
     profiles = PROFILES
     experiments = EXPERIMENTS
     experiment_help = {
-        "factorial": "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters",
+        "factorial": FACTORIAL_HELP,
         "main": "every arm at its tuned rates, 12 paired seeds: validation loss in nats per character",
         "lr-sweep": "each arm's learning rates, scored on held-out training text, in two stages",
         "scaling": "the stiefel-adam lead against the training budget (steps)",

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..arms import FACTORIAL_HELP
 from ..models import CharGPT
 from ..records import Cell
 from ..sequence.family import SequenceFamily, sequence_config
@@ -148,7 +149,7 @@ class MQARFamily(SequenceFamily):
     profiles = PROFILES
     experiments = EXPERIMENTS
     experiment_help = {
-        "factorial": "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters",
+        "factorial": FACTORIAL_HELP,
         "main": "every arm at its tuned rates, 12 paired seeds: steps to 99% recall on the test set",
         "lr-sweep": "each arm's learning rates, scored on a validation set, in two stages",
         "difficulty": "the stiefel-adam lead against the number of key-value pairs",
