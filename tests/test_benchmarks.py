@@ -64,6 +64,9 @@ def test_front_door_table_and_readme_line_say_each_time_its_load_and_any_failure
     table = front_door.markdown_table(result)
     assert "| `stiefel-attention reproduce --profile smoke --out DIR/r` | w | 12.6 min | 2.0 → 3.5 |" in table
     assert "| `stiefel-attention demo` | w | 22 s (failed, exit 1) | 0.4 → 0.6 |" in table
+    # every command the page promises has a row: one not measured says so, and how to measure it
+    assert "| `python examples/hf_gpt2_char.py` | a transformers GPT-2, converted | not measured yet" in table
+    assert "`stiefel-attention certify` | the propositions" in table
     assert front_door.readme_line(result).startswith("12.6 min measured on 2 cores at a load average of 2.0 to 3.5")
     assert "not measured yet" in front_door.readme_line(dict(result, rows=result["rows"][1:]))
 
