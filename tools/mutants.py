@@ -114,7 +114,7 @@ MUTANTS: list[Mutant] = [
     _m("M29", f"{BENCH}/family.py", "sha == self.default_data_sha256 else", "sha != self.default_data_sha256 else",
        "Family.data_key: the comparison inverted (the default data keyed, other data not)", "reliability",
        k="default_corpus"),
-    _m("M30", f"{BENCH}/report/fmt.py", "if arm in arms and done < total]", "if done < total]",
+    _m("M30", f"{BENCH}/report/summaries.py", "if arm in arms and done < total\n", "if done < total\n",
        "open_arms: waits for every open arm of the plan, not only the compared ones", "grok"),
     _m("M31", f"{BENCH}/report/stats.py", "* sd / math.sqrt(n)", "* sd / math.sqrt(n - 1)",
        "paired CI half-width: sd / sqrt(n - 1) instead of sd / sqrt(n)", "experiments",
