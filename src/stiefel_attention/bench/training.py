@@ -96,6 +96,18 @@ class Trainer:
             o.step()
             s.step()
 
+    def step_unless_blown_up(self, loss: torch.Tensor) -> float | None:
+        """The loss's value after one step on it, or None if training has blown up: the loss is not finite (no
+        step is taken), or the step raised BLOWN_UP. The sequence testbeds record None as the run diverging."""
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            return None
+        try:
+            self.step(loss)
+        except BLOWN_UP:
+            return None
+        return value
+
 
 def log_mechanism(log: dict[str, list], model: nn.Module, forward: Callable[[], object], queries=None) -> None:
     """Append one evaluation point of the attention metrics to log (metric -> list over evaluations)."""

@@ -29,7 +29,7 @@ from ..models import CharGPT
 from ..records import Cell
 from ..sequence.family import SequenceFamily, sequence_config, window_loss
 from ..text import DEFAULT_TEXT_SHA256, cached_text, check_windows, fixed_windows, random_windows
-from ..training import BLOWN_UP, Trainer, log_mechanism, run_timings
+from ..training import Trainer, log_mechanism, run_timings
 from .config import (
     DEFAULT_SEEDS,
     EXPERIMENTS,
@@ -118,13 +118,8 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
             reset_logit_stats(model)  # the clip reads this step's forward only
         logits = model(xb.to(device))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.to(device).reshape(-1))
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            diverged = step
-            break
-        try:
-            trainer.step(loss)
-        except BLOWN_UP:
+        value = trainer.step_unless_blown_up(loss)
+        if value is None:
             diverged = step
             break
         if tau is not None:

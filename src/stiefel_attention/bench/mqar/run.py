@@ -9,7 +9,6 @@ The learning-rate sweep scores on a separate fixed validation set, never the tes
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 
 import torch
@@ -19,7 +18,7 @@ from ..arms import FACTORIAL_HELP
 from ..models import CharGPT
 from ..records import Cell
 from ..sequence.family import SequenceFamily, sequence_config
-from ..training import BLOWN_UP, Trainer, log_mechanism, run_timings
+from ..training import Trainer, log_mechanism, run_timings
 from .config import (
     DEFAULT_SEEDS,
     DIFFICULTY_ARMS,
@@ -105,13 +104,8 @@ def run(cfg: dict, device: str | None = None, progress=None) -> dict:
         order_hash.update(xb[:, 0].numpy().tobytes())
         logits = model(xb.to(device))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.to(device).reshape(-1), ignore_index=IGNORE)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            diverged = step
-            break
-        try:
-            trainer.step(loss)
-        except BLOWN_UP:
+        value = trainer.step_unless_blown_up(loss)
+        if value is None:
             diverged = step
             break
         t_train += time.perf_counter() - t0
