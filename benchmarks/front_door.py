@@ -8,8 +8,10 @@ Each command runs as a subprocess from the repository root, as a user types it, 
 folder (so nothing is reused from an earlier run), timed by the wall clock. The machine's load average is read
 before and after each command and recorded beside its time: these are the times a user sees on a machine that
 may be busy, not a benchmark of the code.
-With --readme, the main command's line replaces the block between the smoke-time markers; with --page, the
-whole table replaces the block between the front-door markers. Exit status: non-zero if any command failed.
+With --json, the commands measured now replace their rows in the file and the others keep theirs (each row
+names the code version that was measured), so the slow examples can be timed on their own. With --readme, the
+main command's line replaces the block between the smoke-time markers; with --page, the whole table replaces the
+block between the front-door markers. Exit status: non-zero if any command failed.
 """
 
 from __future__ import annotations
@@ -88,25 +90,42 @@ def _duration(seconds: float) -> str:
 def markdown_table(result: dict) -> str:
     lines = [
         f"Wall-clock time of each command a new user runs first (`benchmarks/front_door.py`, "
-        f"{result['cpus']} cores, {result['machine']}, torch {result['torch']}, code {result['code_version']}); "
-        "the load average (1 min) before and after each shows how busy the machine was. DIR is a fresh folder "
-        "of each command's own:",
+        f"{result['cpus']} cores, {result['machine']}, torch {result['torch']}); the load average (1 min) before "
+        "and after each shows how busy the machine was (2 or more: other work shared the cores). DIR is a fresh "
+        "folder of each command's own:",
         "",
-        "| command | what | time | load before → after |",
-        "|---|---|---|---|",
+        "| command | what | time | load before → after | code |",
+        "|---|---|---|---|---|",
     ]
-    for row in result["rows"]:
+    rows = {row["name"]: row for row in result["rows"]}
+    for name, argv, what in COMMANDS:  # every command the page promises, measured or not, in the page's order
+        row = rows.get(name)
+        if row is None:
+            command = _shown(argv).replace("{tmp}", "DIR")
+            lines.append(f"| `{command}` | {what} | not measured yet (`front_door.py --only {name}`) | — | — |")
+            continue
         status = "" if row["returncode"] == 0 else f" (failed, exit {row['returncode']})"
         lines.append(
             f"| `{row['command'].replace('{tmp}', 'DIR')}` | {row['what']} | {_duration(row['seconds'])}{status} | "
-            f"{row['load_before']:.1f} → {row['load_after']:.1f} |"
+            f"{row['load_before']:.1f} → {row['load_after']:.1f} | {_row_code(row, result)} |"
         )
-    measured = {row["name"] for row in result["rows"]}
-    for name, argv, what in COMMANDS:  # every command the page promises, measured or not
-        if name not in measured:
-            command = _shown(argv).replace("{tmp}", "DIR")
-            lines.append(f"| `{command}` | {what} | not measured yet (`front_door.py --only {name}`) | — |")
     return "\n".join(lines)
+
+
+def _row_code(row: dict, result: dict) -> str:
+    """The code version a row was measured with (files written before rows carried one name it once)."""
+    return row.get("code_version", result.get("code_version", "?"))
+
+
+def merged(earlier: dict | None, now: dict) -> dict:
+    """`now`'s rows, and `earlier`'s rows for the commands not measured now (each keeps its code version)."""
+    if earlier is None:
+        return now
+    measured = {row["name"] for row in now["rows"]}
+    kept = [dict(row, code_version=_row_code(row, earlier)) for row in earlier["rows"] if row["name"] not in measured]
+    order = [c[0] for c in COMMANDS]
+    rows = sorted(kept + now["rows"], key=lambda row: order.index(row["name"]) if row["name"] in order else len(order))
+    return dict(now, rows=rows)
 
 
 def readme_line(result: dict) -> str:
@@ -129,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", default=None, help="write the blocks from this measurement; run nothing")
     args = parser.parse_args(argv)
     if args.from_json:
-        return _write(json.loads(Path(args.from_json).read_text()), args)
+        result = json.loads(Path(args.from_json).read_text())
+        _write(result, args)
+        return 1 if any(r["returncode"] for r in result["rows"]) else 0
     names = [c[0] for c in COMMANDS]
     chosen = names if args.only is None else args.only.split(",")
     unknown = set(chosen) - set(names)
@@ -153,26 +174,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from stiefel_attention.bench.records import code_version
 
+    version = code_version()[:7]
     result = {
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "torch": torch.__version__,
-        "code_version": code_version()[:7],
-        "rows": rows,
+        "rows": [dict(row, code_version=version) for row in rows],
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return _write(result, args)
+        path = Path(args.json)
+        result = merged(json.loads(path.read_text()) if path.exists() else None, result)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    _write(result, args)
+    return 1 if any(r["returncode"] for r in rows) else 0  # the commands measured now
 
 
-def _write(result: dict, args: argparse.Namespace) -> int:
-    """Print the table; put it and the README's line between their markers where asked. Exit 1 if any failed."""
+def _write(result: dict, args: argparse.Namespace) -> None:
+    """Print the table; put it and the README's line between their markers where asked."""
     print(markdown_table(result))
     if args.page:
         replace_block(args.page, markdown_table(result), "<!-- front-door:start -->", "<!-- front-door:end -->")
     if args.readme:
         replace_block(args.readme, readme_line(result), "<!-- smoke-time:start -->", "<!-- smoke-time:end -->")
-    return 1 if any(r["returncode"] for r in result["rows"]) else 0
 
 
 if __name__ == "__main__":

@@ -62,13 +62,48 @@ def test_front_door_table_and_readme_line_say_each_time_its_load_and_any_failure
         ),
     ]
     table = front_door.markdown_table(result)
-    assert "| `stiefel-attention reproduce --profile smoke --out DIR/r` | w | 12.6 min | 2.0 → 3.5 |" in table
-    assert "| `stiefel-attention demo` | w | 22 s (failed, exit 1) | 0.4 → 0.6 |" in table
+    # a row without its own code version (files written before rows carried one) names the file's
+    assert "| `stiefel-attention reproduce --profile smoke --out DIR/r` | w | 12.6 min | 2.0 → 3.5 | abc1234 |" in table
+    assert "| `stiefel-attention demo` | w | 22 s (failed, exit 1) | 0.4 → 0.6 | abc1234 |" in table
+    # rows come in the page's order (demo first), whatever order the file holds them in
+    assert table.index("stiefel-attention demo`") < table.index("stiefel-attention reproduce")
     # every command the page promises has a row: one not measured says so, and how to measure it
     assert "| `python examples/hf_gpt2_char.py` | a transformers GPT-2, converted | not measured yet" in table
     assert "`stiefel-attention certify` | the propositions" in table
     assert front_door.readme_line(result).startswith("12.6 min measured on 2 cores at a load average of 2.0 to 3.5")
     assert "not measured yet" in front_door.readme_line(dict(result, rows=result["rows"][1:]))
+
+
+def test_front_door_json_keeps_the_rows_not_measured_now_with_their_own_code_version():
+    import front_door
+
+    def row(name, seconds, **extra):
+        return dict(
+            name=name, command=name, what="w", returncode=0, seconds=seconds, load_before=0.1, load_after=0.2, **extra
+        )
+
+    earlier = {
+        "cpus": 2,
+        "machine": "x86_64",
+        "torch": "t",
+        "code_version": "old0000",
+        "rows": [row("demo", 9.0), row("reproduce", 220.0)],
+    }
+    now = {
+        "cpus": 2,
+        "machine": "x86_64",
+        "torch": "t",
+        "rows": [row("hf_trainer", 300.0, code_version="new1111"), row("demo", 8.0, code_version="new1111")],
+    }
+    result = front_door.merged(earlier, now)
+    assert [(r["name"], r["seconds"], r["code_version"]) for r in result["rows"]] == [
+        ("demo", 8.0, "new1111"),  # measured again: the new row replaces the old
+        ("hf_trainer", 300.0, "new1111"),  # in the page's order
+        ("reproduce", 220.0, "old0000"),  # kept, naming the code it was measured with
+    ]
+    assert front_door.merged(None, now) is now
+    table = front_door.markdown_table(result)
+    assert "| w | 3.7 min | 0.1 → 0.2 | old0000 |" in table and "| w | 5.0 min | 0.1 → 0.2 | new1111 |" in table
 
 
 def test_the_readme_holds_the_smoke_time_block_the_front_door_benchmark_writes():
