@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -641,3 +642,50 @@ def test_the_runner_resumes_a_cut_off_run_names_its_stretches_and_removes_the_ch
     assert record["resumed"][1]["code_version"] == record["code_version"]
     assert {k: record["resumed"][1][k] for k in ("cpu", "isa")} == record["host"]  # the kernels a stretch ran
     assert json.loads(cell.path(runs).read_text())["resumed"] == record["resumed"]
+
+
+@pytest.mark.parametrize("failure", ["nan loss", "nonfinite gradient"])
+def test_a_grok_run_that_blows_up_is_recorded_as_never_grokking_at_chance(monkeypatch, failure):
+    """A diverged run is an outcome, as in the other testbeds: recorded with its epoch, censored in epochs to 95%
+    and guessing (one in p) in the final accuracy, not a failed run with no record."""
+    from stiefel_attention.bench.grok.report import EPOCHS_TO_GROK, FINAL_VAL_ACC, grok_markdown, grok_summary
+    from stiefel_attention.optim import NonFiniteGradientError
+
+    calls = []
+    if failure == "nan loss":
+        real_forward = ModularTransformer.forward
+
+        def forward(self, x):
+            out = real_forward(self, x)
+            if torch.is_grad_enabled():  # a training forward (the evaluations run under no_grad)
+                calls.append(1)
+                return out * float("nan") if len(calls) == 25 else out
+            return out
+
+        monkeypatch.setattr(ModularTransformer, "forward", forward)
+    else:
+        real_build = grok._build
+
+        def build(cfg, model):
+            opts = real_build(cfg, model)
+            first, real_step = opts[-1], opts[-1].step
+
+            def step(self, *a, **k):
+                calls.append(1)
+                if len(calls) == 25:
+                    raise NonFiniteGradientError("a gradient is not finite")
+                return real_step(*a, **k)
+
+            first.step = types.MethodType(step, first)  # bound, as the LR scheduler expects
+            return opts
+
+        monkeypatch.setattr(grok, "_build", build)
+    cfg = grok.make_config("smoke", "stiefel-adam", 0, "+", epochs=40, eval_every=10)
+    rec = {"config": cfg, "name": "stiefel-adam-s0", **grok.run(cfg, device="cpu")}
+    m = rec["metrics"]
+    assert m["diverged_at_epoch"] == 25 and m["final_val_acc"] is None and m["final_train_acc"] is None
+    assert m["epoch_val_acc_95"] is None and rec["curves"]["epoch"] == [1, 10, 20]
+    assert FINAL_VAL_ACC.value(rec) == pytest.approx(100 / cfg["model"]["p"])
+    assert EPOCHS_TO_GROK.censored(rec)
+    md = grok_markdown(grok_summary("single", [rec]), "smoke")
+    assert f"{100 / cfg['model']['p']:.1f} (diverged at epoch 25: chance) |" in md

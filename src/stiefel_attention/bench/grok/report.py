@@ -37,10 +37,25 @@ from .interventions import (
 __all__ = ["grok_summary", "grok_markdown", "write_grok_report", "claim_rows"]
 
 
-FINAL_VAL_ACC = Measure("final validation accuracy", "pp", lambda r: 100 * r["metrics"]["final_val_acc"], True)
+def _final_val_acc(metrics: dict) -> float:
+    """Final validation accuracy (a fraction); a run that diverged counts as guessing (chance_acc, one in p), and
+    says so in metrics.diverged_at_epoch."""
+    acc = metrics["final_val_acc"]
+    return metrics["chance_acc"] if acc is None else acc
+
+
+FINAL_VAL_ACC = Measure("final validation accuracy", "pp", lambda r: 100 * _final_val_acc(r["metrics"]), True)
 EPOCHS_TO_GROK = time_to(
     "epochs to 95% validation accuracy (never: budget + 1)", "epochs", "epoch_val_acc_95", "epochs", FINAL_VAL_ACC
 )
+
+
+def _diverged(row: dict) -> str:
+    return f" (diverged at epoch {row['diverged_at_epoch']}: chance)" if "diverged_at_epoch" in row else ""
+
+
+def _isometry(error: float | None) -> str:
+    return "—" if error is None else f"{error:.1e}"
 
 
 def _wall_clock(rec: dict) -> float | None:
@@ -69,13 +84,14 @@ def grok_summary(
                 "seed": c["seed"],
                 "op": c["op"],
                 "epochs": c["epochs"],
-                "final_val_acc": 100 * m["final_val_acc"],
+                "final_val_acc": 100 * _final_val_acc(m),
                 "epoch_val_acc_95": m["epoch_val_acc_95"],
                 "max_val_acc": 100 * max(rec["curves"]["val_acc"], default=0.0),
                 "max_qk_isometry": m["max_qk_isometry"],
                 "collapses": m["collapses"],
                 "epochs_per_s": rec["timings"]["epochs_per_s"],
                 "total_s": _wall_clock(rec),
+                **({"diverged_at_epoch": m["diverged_at_epoch"]} if "diverged_at_epoch" in m else {}),
             }
         )
     if experiment == "single":
@@ -192,7 +208,7 @@ def _slingshot_pilot(runs: list[dict], c: dict) -> dict:
             f"{'every parameter except W_Q, W_K' if c['regularize'] == 'non-qk' else c['regularize']}"
         )
     }
-    iso = {r["arm"]: r["max_qk_isometry"] for r in runs}
+    iso = {r["arm"]: r["max_qk_isometry"] for r in runs if r["max_qk_isometry"] is not None}
     if "adamw" in iso and "stiefel-adam" in iso and iso["stiefel-adam"] > 0:
         pilot["isometry_ratio"] = iso["adamw"] / iso["stiefel-adam"]
     if "adamw" in iso:
@@ -310,9 +326,10 @@ def grok_markdown(summary: dict, profile: str) -> str:
         cols = r["collapses"]
         lines.append(
             f"| {r['op']} | " + f"{r['weight_decay']:g} | " * wd + f"{r['arm']} | {r['seed']} | {r['epochs']} | "
-            f"{r['final_val_acc']:.1f} | "
+            f"{r['final_val_acc']:.1f}{_diverged(r)} | "
             f"{r.get('max_val_acc', math.nan):.1f} | "
-            f"{r['epoch_val_acc_95'] if r['epoch_val_acc_95'] is not None else 'never'} | {r['max_qk_isometry']:.1e} | "
+            f"{r['epoch_val_acc_95'] if r['epoch_val_acc_95'] is not None else 'never'} | "
+            f"{_isometry(r['max_qk_isometry'])} | "
             f"{len(cols)} ({sum(c['survived'] for c in cols)}) |"
         )
     lines.append("")

@@ -29,6 +29,7 @@ from ..arms import HyperParameters, arm_spec, attention_options, build_optimizer
 from ..family import Family
 from ..models import ModularTransformer
 from ..records import Cell
+from ..training import BLOWN_UP
 from .config import (
     ARMS,
     BASE,
@@ -196,6 +197,7 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
         log["qk_clip_heads"] = []
     clip_heads = clip_steps = 0
     first_grok = None
+    diverged = None  # a diverged run is an outcome, recorded with its epoch: it never groks after it
     t_train = 0.0
     start = 1
     walls: list[float | None] = []  # wall-clock of each earlier stretch, up to its last checkpoint
@@ -227,12 +229,19 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
             reset_logit_stats(model)  # the clip reads this step's training forward only
         logits = model(xt)
         loss = F.cross_entropy(logits, yt)
+        if not torch.isfinite(loss):
+            diverged = epoch
+            break
         for o in opts:
             o.zero_grad(set_to_none=True)
         loss.backward()
-        for o, s in zip(opts, scheds):
-            o.step()
-            s.step()
+        try:
+            for o, s in zip(opts, scheds):
+                o.step()
+                s.step()
+        except BLOWN_UP:
+            diverged = epoch
+            break
         if tau is not None:
             clipped = qk_clip(model, tau)
             clip_heads, clip_steps = clip_heads + clipped, clip_steps + (clipped > 0)
@@ -255,8 +264,6 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
                 mechanism.setdefault(name, []).append(per_layer)
             if first_grok is None and log["val_acc"][-1] >= GROK_THRESHOLD:
                 first_grok = epoch
-            if not math.isfinite(log["train_loss"][-1]):
-                raise FloatingPointError(f"training loss became {log['train_loss'][-1]} at epoch {epoch}")
         if checkpoint is not None and epoch < cfg["epochs"] and checkpoint.due():
             state = {
                 "model": model.state_dict(),
@@ -277,19 +284,21 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
     if saved is not None:  # a resumed run: total_s covers every stretch, or is unknown (None)
         timings["walls"] = [*walls, wall]
         timings["total_s"] = None if None in walls else sum(timings["walls"])
+    trained = cfg["epochs"] if diverged is None else diverged - 1
     return {
         "metrics": {
-            "final_val_acc": log["val_acc"][-1],
-            "final_train_acc": log["train_acc"][-1],
+            "final_val_acc": log["val_acc"][-1] if diverged is None else None,  # None: see chance_acc
+            "final_train_acc": log["train_acc"][-1] if diverged is None else None,
             "epoch_val_acc_95": first_grok,  # None: never reached within the run
-            "max_qk_isometry": max(log["qk_isometry"]),
+            "max_qk_isometry": max(log["qk_isometry"], default=None),
             "collapses": find_collapses(log),
             **({"qk_clip_steps": clip_steps, "qk_clip_heads": clip_heads} if tau is not None else {}),
+            **({"diverged_at_epoch": diverged, "chance_acc": 1.0 / m["p"]} if diverged is not None else {}),
         },
         "curves": {**log, "mechanism": mechanism},
         "timings": {
             **timings,
-            "epochs_per_s": cfg["epochs"] / t_train,
+            "epochs_per_s": trained / t_train if t_train else None,
             "device": str(device),
             "threads": torch.get_num_threads(),
         },
