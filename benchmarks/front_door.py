@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(chosen) - set(names)
     if unknown:
         parser.error(f"unknown commands {sorted(unknown)}; choose from {', '.join(names)}")
+    from stiefel_attention.bench.records import code_version
+
+    version = code_version()[:7]  # read first: a commit made while the commands run is not the code they ran
     rows = []
     for name, command, what in COMMANDS:
         if name not in chosen:
@@ -172,9 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     import torch
 
-    from stiefel_attention.bench.records import code_version
-
-    version = code_version()[:7]
     result = {
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
