@@ -212,3 +212,99 @@ def test_report_answers_the_title_per_testbed_from_its_factorial_summary(tmp_pat
     assert second.endswith("no decomposition: the factorial misses 1 cells: frames x sgd.")
     assert not any("third" in line for line in lines)
     assert factorial_report_section(tmp_path, [("three", "third", None)]) == []  # no factorial: no section
+
+
+def _rss(x: np.ndarray, design: np.ndarray) -> float:
+    coef, *_ = np.linalg.lstsq(design, x, rcond=None)
+    return float(((x - design @ coef) ** 2).sum())
+
+
+def test_the_block_anova_matches_nested_least_squares_fits_over_every_run():
+    """An independent computation: each source's F from the residual sums of squares of two nested linear models
+    (dummy columns) fitted to all A x B x S runs, the seeds as blocks."""
+    from scipy import stats as sps
+
+    from stiefel_attention.bench.report.stats import block_two_way_anova
+
+    rng = np.random.default_rng(3)
+    n_a, n_b, n_s = 4, 3, 6
+    x = rng.normal(size=(n_a, n_b, n_s)) + rng.normal(size=n_s) + 0.4 * np.arange(n_a)[:, None, None]
+    a, b, s = (m.ravel() for m in np.meshgrid(range(n_a), range(n_b), range(n_s), indexing="ij"))
+    # sum-to-zero coding: each level but the first a column, the first -1 in every column (balanced, so dropping
+    # a main effect's columns with the interaction's kept gives that effect's textbook sum of squares)
+    dummies = lambda idx, n: np.eye(n)[idx][:, 1:] - (idx == 0)[:, None]  # noqa: E731
+    one, da, db, ds = np.ones((x.size, 1)), dummies(a, n_a), dummies(b, n_b), dummies(s, n_s)
+    dab = np.einsum("ni,nj->nij", da, db).reshape(x.size, -1)
+    full = np.hstack([one, da, db, dab, ds])
+    rss_full = _rss(x.ravel(), full)
+    df_error = x.size - full.shape[1]
+    got = block_two_way_anova(x)
+    assert got["error"]["df"] == df_error == (n_a * n_b - 1) * (n_s - 1)
+    assert got["error"]["ss"] == pytest.approx(rss_full)
+    for source, reduced, df in (
+        ("interaction", np.hstack([one, da, db, ds]), (n_a - 1) * (n_b - 1)),
+        ("a", np.hstack([one, db, dab, ds]), n_a - 1),
+        ("b", np.hstack([one, da, dab, ds]), n_b - 1),
+    ):
+        f = ((_rss(x.ravel(), reduced) - rss_full) / df) / (rss_full / df_error)
+        assert got[source]["df"] == df and got[source]["f"] == pytest.approx(f, rel=1e-9)
+        assert got[source]["p"] == pytest.approx(float(sps.f.sf(f, df, df_error)), rel=1e-9)
+
+
+def test_with_no_effect_each_source_is_rejected_about_one_time_in_twenty_however_strong_the_seeds():
+    """The seeds as blocks: a seed's own level (here 10x the noise) is taken out; an error term that kept it would
+    almost never reject."""
+    from stiefel_attention.bench.report.stats import block_two_way_anova
+
+    rng = np.random.default_rng(0)
+    rejected = {"a": 0, "b": 0, "interaction": 0}
+    n = 600
+    for _ in range(n):
+        x = rng.normal(size=(4, 3, 12)) + 10 * rng.normal(size=12)
+        for k, v in block_two_way_anova(x).items():
+            if k != "error":
+                rejected[k] += v["p"] < 0.05
+    for k, count in rejected.items():
+        assert 0.02 < count / n < 0.09, (k, count)
+
+
+def test_a_factor_is_said_to_carry_the_most_only_when_its_effect_stands_out_from_the_seed_noise():
+    strong = decompose(_table(lambda i, j: 1.0 * i), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
+    assert strong.p_values["geometry"] < 1e-6 and strong.p_values["interaction"] > 1e-3
+    assert "the geometry carries the most" in strong.sentence("u", False)
+    assert "geometry p=" in strong.sentence("u", False)
+    # no effect at all: the seed noise alone spreads the cells, the interaction (4 of 8 degrees of freedom) most
+    noise = decompose(_table(lambda i, j: 0.0, noise=0.1, seed=2), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
+    lead = max(noise.shares, key=noise.shares.get)
+    assert noise.p_values[lead] >= 0.05
+    assert f"the {lead} has the largest share, but its effect does not stand out from the seed noise" in (
+        noise.sentence("u", False)
+    )
+
+
+def test_without_noise_any_spread_is_an_effect_and_no_spread_is_undefined():
+    from stiefel_attention.bench.report.stats import block_two_way_anova
+
+    additive = np.arange(2)[:, None, None] + np.zeros((2, 2, 3)) + np.arange(3)  # geometry and seed effects only
+    got = block_two_way_anova(additive)
+    assert got["a"]["p"] == 0.0 and got["a"]["f"] == float("inf")
+    assert np.isnan(got["b"]["p"]) and np.isnan(got["interaction"]["f"])
+
+
+def test_the_readme_findings_give_each_factorial_answer_once_every_cell_has_run(tmp_path):
+    import json
+
+    from stiefel_attention.bench.report import findings_lines
+    from stiefel_attention.bench.report.factorial import factorial_section
+
+    full = factorial_section(_records(lambda a, s: (a in "cd") + 0.01 * s), _Measure(), _ARMS, _G, _O)
+    part = factorial_section(_records(lambda a, s: float(s), arms=("a", "b", "c")), _Measure(), _ARMS, _G, _O)
+    for family, section in (("mqar", full), ("lm", part)):
+        (tmp_path / family / "factorial").mkdir(parents=True)
+        summary = {"factorial": section.to_dict(), "n_planned": 168, "n_planned_done": 168}
+        (tmp_path / family / "factorial" / "summary.json").write_text(json.dumps(summary))
+    said = [line for line in findings_lines(tmp_path, "results") if "Geometry or optimizer?" in line]
+    assert said == [
+        "- [Geometry or optimizer?](results/REPORT.md#geometry-or-optimizer-the-factorial) multi-query associative "
+        f"recall ([mqar/factorial](results/mqar/factorial/summary.md), 168/168 runs): {full.sentence}."
+    ]

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..family import Family, Plan, all_families, get_family
 from ..records import Cell, read_record, write_json_atomic
-from .factorial import factorial_report_section
+from .factorial import factorial_report_section, testbed_factorials
 from .fmt import fmt_ci, fmt_p, fmt_t, open_arms, provisional
 from .geometry import (
     bounded_standings,
@@ -376,8 +376,9 @@ def verdict_kind(verdict_text: str) -> str:
 def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str]:
     """The README's block of what was found, computed from the summaries under results_dir (links start with
     prefix, the folder as the README sees it): the claims tallied by verdict, the headline claims, each
-    testbed's answer to "when does the geometry dominate?" and the mechanism. A headline claim's verdict is said
-    in its first words (the kind, e.g. "does not replicate"); its reasons are in REPORT.md beside it."""
+    testbed's answer to "when does the geometry dominate?", the mechanism, and each factorial with every cell run.
+    A headline claim's verdict is said in its first words (the kind, e.g. "does not replicate"); its reasons are in
+    REPORT.md beside it."""
     results_dir = Path(results_dir)
     rows = [r for r in claim_rows(results_dir) if r[4] != "—"]
     paper = [r for r in rows if not r[2].startswith("(not the paper's")]
@@ -417,6 +418,14 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         high = f"{anchor.split('#')[0]}#high-learning-rates-{_slug(mechanism, '### High learning rates: ')}"
         controls = [(f.name, f.title, f.controls_experiment) for f in all_families()]
         lines += [f"- [Bounded frames]({high}): {said}." for said in bounded_standings(results_dir, controls)]
+    tables = [(f.name, f.title, f.factorial_experiment) for f in all_families()]
+    for title, where, progress, section, _ in testbed_factorials(results_dir, tables):
+        if section.decomposition is not None:  # a testbed still running its cells has no answer to give yet
+            link = f"[{where}]({prefix}/{where}/summary.md)"
+            lines.append(
+                f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {title} "
+                f"({link}, {progress.runs()}): {section.sentence}."
+            )
     return lines
 
 

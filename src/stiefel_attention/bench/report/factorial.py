@@ -9,9 +9,13 @@ one of the cell means m_go: with grand mean m, row means m_g. and column means m
     SS_optimizer   = G * sum_o (m_.o - m)^2
     SS_interaction = sum_go (m_go - m_g. - m_.o + m)^2
 
-and each share is its SS over their sum, the between-cell spread (seed noise is not part of it: the cell means
-average over the same seeds). Intervals: a percentile bootstrap over seeds, resampling whole seeds (all cells of a
-seed together, as they are paired). The best cell is compared with the second best on the paired seeds.
+and each share is its SS over their sum, the between-cell spread. Intervals: a percentile bootstrap over seeds,
+resampling whole seeds (all cells of a seed together, as they are paired). Seed noise is not taken out of the
+shares: the cell means carry it, and with no effect at all each source would hold about its degrees of freedom's
+part of the spread (3, 2 and 6 of 11 in a 4 x 3 table; the interaction the most). So each source is also tested
+against that noise: a two-way ANOVA with the seeds as blocks (stats.block_two_way_anova), and a factor is said
+to carry the most only where it has the largest share and its test rejects at 5%. The best cell is compared with
+the second best on the paired seeds.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .fmt import fmt_ci
-from .stats import paired_comparison
+from .fmt import fmt_ci, fmt_p
+from .stats import block_two_way_anova, paired_comparison
 from .summaries import PlanProgress
 
 __all__ = [
@@ -36,6 +40,7 @@ __all__ = [
     "factorial_report_section",
     "factorial_section",
     "suite_factorial",
+    "testbed_factorials",
     "two_way_shares",
 ]
 
@@ -69,6 +74,7 @@ class Decomposition:
     best: tuple[str, str]
     second: tuple[str, str]
     best_vs_second: dict  # paired_comparison of best - second (in the measure's units)
+    p_values: dict[str, float]  # each source's ANOVA p against the seed noise, seeds as blocks
 
     def sentence(self, unit: str, higher_is_better: bool) -> str:
         """The answer in words, from the numbers (which factor carries the most of the spread, and the best cell)."""
@@ -77,13 +83,20 @@ class Decomposition:
             f"{k} {100 * self.shares[k]:.0f}% [{100 * self.intervals[k][0]:.0f}, {100 * self.intervals[k][1]:.0f}]"
             for k in SOURCES
         )
+        tests = ", ".join(f"{k} p={fmt_p(self.p_values[k])}" for k in SOURCES)
+        carries = (
+            f"the {lead} carries the most"
+            if self.p_values[lead] < 0.05
+            else f"the {lead} has the largest share, but its effect does not stand out from the seed noise"
+        )
         st = self.best_vs_second
         lo, hi = st["ci95"]
         clear = not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
         verdict = "ahead of" if clear else "not distinguishable from"
         return (
-            f"of the spread between cells, {parts} (95% bootstrap over {len(self.seeds)} seeds): the {lead} carries "
-            f"the most. Best cell: {self.best[0]} x {self.best[1]}, {verdict} the second, {self.second[0]} x "
+            f"of the spread between cells, {parts} (95% bootstrap over {len(self.seeds)} seeds); against the seed "
+            f"noise (ANOVA, seeds as blocks) {tests}: {carries}. Best cell: {self.best[0]} x {self.best[1]}, "
+            f"{verdict} the second, {self.second[0]} x "
             f"{self.second[1]} ({st['mean_diff']:+.3f} {unit} [{lo:+.3f}, {hi:+.3f}]"
             + (", higher is better)" if higher_is_better else ", lower is better)")
         )
@@ -126,6 +139,8 @@ def decompose(
     )
     best, second = order[0], order[1]
     st = paired_comparison([table[best][s] for s in seeds], [table[second][s] for s in seeds])
+    tested = block_two_way_anova(values)
+    p_values = {source: tested[k]["p"] for source, k in zip(SOURCES, ("a", "b", "interaction"))}
     return Decomposition(
         tuple(geometries),
         tuple(optimizers),
@@ -136,6 +151,7 @@ def decompose(
         best,
         second,
         st,
+        p_values,
     )
 
 
@@ -283,11 +299,11 @@ def factorial_markdown(section: FactorialSection, digits: int = 3) -> list[str]:
     else:
         d = section.decomposition
         lines += [
-            "| source | share of the between-cell spread | 95% bootstrap interval |",
-            "|---|---|---|",
+            "| source | share of the between-cell spread | 95% bootstrap interval | p (ANOVA, seeds as blocks) |",
+            "|---|---|---|---|",
             *(
                 f"| {k} | {100 * d['shares'][k]:.0f}% | [{100 * d['intervals'][k][0]:.0f}%, "
-                f"{100 * d['intervals'][k][1]:.0f}%] |"
+                f"{100 * d['intervals'][k][1]:.0f}%] | {fmt_p(d['p_values'][k])} |"
                 for k in SOURCES
             ),
             "",
@@ -348,25 +364,30 @@ def factorial_plot(section: FactorialSection, out_dir, made: list[str]) -> None:
     save_figure(fig, out_dir, "factorial.png", made, dpi=110)
 
 
-def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, str | None]]) -> list[str]:
-    """REPORT.md lines of "Geometry or optimizer? The factorial": per testbed with a factorial summary under
-    results_dir, its runs, its answer (the decomposition's sentence, or why there is none yet) and its heat map.
-    testbeds: (family folder, title, its factorial experiment or None)."""
+def testbed_factorials(results_dir, testbeds: Sequence[tuple[str, str, str | None]]):
+    """(title, where, progress, section, plots) of each testbed with a factorial summary under results_dir, where
+    is "family/experiment". testbeds: (family folder, title, its factorial experiment or None)."""
     import json
     from pathlib import Path
 
-    rows = []
     for family, title, experiment in testbeds:
         path = Path(results_dir) / family / str(experiment) / "summary.json"
         if not experiment or not path.exists():
             continue
         summary = json.loads(path.read_text())
         section = FactorialSection.from_dict(summary["factorial"])
-        where = f"{family}/{experiment}"
-        runs = PlanProgress.of(summary).runs()
+        yield title, f"{family}/{experiment}", PlanProgress.of(summary), section, summary.get("plots", [])
+
+
+def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, str | None]]) -> list[str]:
+    """REPORT.md lines of "Geometry or optimizer? The factorial": per testbed with a factorial summary under
+    results_dir, its runs, its answer (the decomposition's sentence, or why there is none yet) and its heat map.
+    testbeds: (family folder, title, its factorial experiment or None)."""
+    rows = []
+    for title, where, progress, section, plots in testbed_factorials(results_dir, testbeds):
         answer = section.sentence if section.decomposition is not None else section.not_yet
-        rows += [f"- {title}: [{where}]({where}/summary.md) ({runs}): {answer}."]
-        if "factorial.png" in summary.get("plots", []):
+        rows += [f"- {title}: [{where}]({where}/summary.md) ({progress.runs()}): {answer}."]
+        if "factorial.png" in plots:
             rows += ["", f"  ![{title}: the cell means]({where}/factorial.png)"]
         rows.append("")
     if not rows:

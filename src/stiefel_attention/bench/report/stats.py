@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import stats as sps
 
-__all__ = ["paired_comparison", "describe"]
+__all__ = ["block_two_way_anova", "describe", "paired_comparison"]
 
 
 def describe(values: Sequence[float]) -> dict:
@@ -67,4 +67,40 @@ def paired_comparison(arm: Sequence[float], baseline: Sequence[float], alpha: fl
         if not math.isnan(out["p_t"]) and not math.isnan(out["p_wilcoxon"])
         else False
     )
+    return out
+
+
+def block_two_way_anova(values: np.ndarray) -> dict[str, dict]:
+    """Tests of the two factors and their interaction in a (A, B, S) table whose S seeds are blocks: each seed
+    runs every cell (the same initialisation and data), so a seed's own level is taken out, and the error term is
+    the cell x seed interaction, with (A B - 1)(S - 1) degrees of freedom.
+
+    Returns per source ("a", "b", "interaction") its sum of squares (in the values' units squared, over every
+    run), degrees of freedom, F and p (F infinite and p 0 where the runs have no noise but the source spreads them;
+    NaN where neither, or where the source has no degrees of freedom)."""
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 3 or x.shape[2] < 2:
+        raise ValueError(f"the table needs shape (A, B, seeds >= 2), got {x.shape}")
+    n_a, n_b, n_s = x.shape
+    grand = x.mean()
+    cells = x.mean(axis=2)
+    rows, cols, seeds = cells.mean(axis=1), cells.mean(axis=0), x.mean(axis=(0, 1))
+    ss = {
+        "a": n_b * n_s * float(((rows - grand) ** 2).sum()),
+        "b": n_a * n_s * float(((cols - grand) ** 2).sum()),
+        "interaction": n_s * float(((cells - rows[:, None] - cols[None, :] + grand) ** 2).sum()),
+    }
+    df = {"a": n_a - 1, "b": n_b - 1, "interaction": (n_a - 1) * (n_b - 1)}
+    error = x - cells[:, :, None] - seeds[None, None, :] + grand
+    df_error = (n_a * n_b - 1) * (n_s - 1)
+    ms_error = float((error**2).sum()) / df_error
+    out = {}
+    for k in ss:
+        if not df[k] or (ms_error == 0 and ss[k] == 0):
+            f = math.nan
+        else:  # no noise at all: any spread is an effect
+            f = (ss[k] / df[k]) / ms_error if ms_error > 0 else math.inf
+        p = float(sps.f.sf(f, df[k], df_error)) if not math.isnan(f) else math.nan
+        out[k] = {"ss": ss[k], "df": df[k], "f": f, "p": p}
+    out["error"] = {"ss": ms_error * df_error, "df": df_error}
     return out
