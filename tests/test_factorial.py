@@ -201,17 +201,17 @@ def test_report_answers_the_title_per_testbed_from_its_factorial_summary(tmp_pat
         (tmp_path / family / "factorial").mkdir(parents=True)
         summary = {"factorial": section.to_dict(), "n_planned": 16, "n_planned_done": 12, "plots": plots}
         (tmp_path / family / "factorial" / "summary.json").write_text(json.dumps(summary))
-    testbeds = [("one", "first", "factorial"), ("two", "second", "factorial"), ("three", "third", None)]
+    testbeds = [("one", "first", ("factorial",)), ("two", "second", ("factorial",)), ("three", "third", ())]
     lines = factorial_report_section(tmp_path, testbeds)
     assert lines[0] == "## Geometry or optimizer? The factorial"
-    first = next(line for line in lines if line.startswith("- first:"))
-    assert first.startswith("- first: [one/factorial](one/factorial/summary.md) (12/16 runs): of the spread between")
+    first = next(line for line in lines if line.startswith("- first"))
+    assert first.startswith("- first, loss: [one/factorial](one/factorial/summary.md) (12/16 runs): of the spread")
     assert "the geometry carries the most" in first
-    assert "  ![first: the cell means](one/factorial/factorial.png)" in lines
-    second = next(line for line in lines if line.startswith("- second:"))
+    assert "  ![first: the cell means of loss](one/factorial/factorial.png)" in lines
+    second = next(line for line in lines if line.startswith("- second"))
     assert second.endswith("no decomposition: the factorial misses 1 cells: frames x sgd.")
     assert not any("third" in line for line in lines)
-    assert factorial_report_section(tmp_path, [("three", "third", None)]) == []  # no factorial: no section
+    assert factorial_report_section(tmp_path, [("three", "third", ())]) == []  # no factorial: no section
 
 
 def _rss(x: np.ndarray, design: np.ndarray) -> float:
@@ -306,5 +306,5 @@ def test_the_readme_findings_give_each_factorial_answer_once_every_cell_has_run(
     said = [line for line in findings_lines(tmp_path, "results") if "Geometry or optimizer?" in line]
     assert said == [
         "- [Geometry or optimizer?](results/REPORT.md#geometry-or-optimizer-the-factorial) multi-query associative "
-        f"recall ([mqar/factorial](results/mqar/factorial/summary.md), 168/168 runs): {full.sentence}."
+        f"recall, loss ([mqar/factorial](results/mqar/factorial/summary.md), 168/168 runs): {full.sentence}."
     ]

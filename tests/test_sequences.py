@@ -337,6 +337,48 @@ def test_lr_stability_plans_every_rate_times_m_and_shares_main_at_m_1():
     assert x64["adamw-s0-lrx64-clip50"]["qk_clip"] == lm.PROFILES["cpu"]["qk_clip_tau"]
 
 
+def test_factorial_stability_plans_every_factorial_cell_times_m_sharing_the_factorial_and_lr_stability():
+    from stiefel_attention.bench.arms import FACTORIAL_ARMS
+
+    planned = lm.cells("factorial-stability", "smoke", 2)
+    assert len(planned) == 2 * len(lm.LR_MULTIPLIERS["smoke"]) * len(FACTORIAL_ARMS)
+    assert {c.config["arm"] for c in planned} == set(FACTORIAL_ARMS) and not any("qk_clip" in c.config for c in planned)
+    keys = {c.key for c in planned}
+    at_one = {c.key for c in planned if "lr_multiplier" not in c.config}
+    assert at_one == {c.key for c in lm.cells("factorial", "smoke", 2)}  # m = 1: the factorial's own cells
+    stability = {c.key: c.config["arm"] for c in lm.cells("lr-stability", "smoke", 2) if "qk_clip" not in c.config}
+    shared = {arm for key, arm in stability.items() if key in keys}
+    assert shared == set(FACTORIAL_ARMS) & {arm for arm, _ in lm.STABILITY_RUNS}  # lr-stability's runs are reused
+    assert "factorial-stability" in lm.FAMILY.experiment_help and "factorial-stability" in lm.FAMILY.reproduce_order
+
+
+def test_factorial_stability_tables_each_cells_learning_rate_sensitivity_per_seed():
+    from stiefel_attention.bench.arms import FACTORIAL
+    from stiefel_attention.bench.lm.report import lm_markdown, lm_summary
+
+    recs = []
+    for (geometry, _), arm in FACTORIAL.items():
+        for s in range(3):
+            worse = {"euclidean": 0.5, "qk-norm": 0.1, "frames": 0.3, "bounded frames": 0.1}[geometry]
+            recs += [
+                _stability_record(arm, s, 1, 1.70 + 0.01 * s, 10.0),
+                _stability_record(arm, s, 16, 1.70 + worse + 0.002 * s * (arm == "sgd"), 10.0),
+            ]
+    for r in recs:
+        r["config"].update(model={"n_layers": 1, "d_model": 16, "n_heads": 2, "head_dim": 8}, context=8, batch=4)
+    summary = lm_summary("factorial-stability", recs)
+    section = summary["factorial"]
+    assert section["measure"]["name"] == "learning-rate sensitivity"
+    cell = next(c for c in section["cells"] if c["arm"] == "adamw")
+    assert cell["n"] == 3 and cell["mean"] == pytest.approx((1.70 + 2.20) / 2 - 1.70, abs=0.01)  # mean - best
+    d = section["decomposition"]
+    assert d["shares"]["geometry"] > 0.99 and tuple(d["best"])[0] in ("qk-norm", "bounded frames")
+    assert "the geometry carries the most" in section["sentence"]
+    assert summary["stability"]["multipliers"] == ["1", "16"]  # and every run's losses behind the table
+    md = lm_markdown(summary, "smoke")
+    assert md.index("share of the between-cell spread") < md.index("sensitivity |")
+
+
 def test_an_lm_run_whose_frames_blow_up_is_recorded_as_diverged(monkeypatch, corpus_file):
     """The polar factor's eigh failing on frames far off the manifold is the run diverging, as a non-finite loss."""
     real, calls = training.Trainer.step, []

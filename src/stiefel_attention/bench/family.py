@@ -68,7 +68,7 @@ class Family:
     controls_experiment: str | None = None  # its experiment with every arm (REPORT: "When does the geometry dominate?")
     decay_experiment: str | None = None  # its stiefel-adam vs adamw lead against weight decay, if it has one
     mechanism_experiment: str | None = None  # its interventions on the mechanism (REPORT: "The mechanism")
-    factorial_experiment: str | None = None  # its geometry x optimizer table (REPORT: "Geometry or optimizer?")
+    factorial_experiments: tuple[str, ...] = ()  # its geometry x optimizer tables (REPORT: "Geometry or optimizer?")
     # sha256 of the data its committed results were made from (None: the family generates its data). Cells of
     # that data have no data entry in their config, so those records keep their keys; other data adds one.
     default_data_sha256: str | None = None

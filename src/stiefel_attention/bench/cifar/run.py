@@ -361,7 +361,7 @@ class CifarFamily(Family):
     name = "cifar"
     progress_unit = "epoch"
     title = "CIFAR-10 patches (PatchViT)"
-    factorial_experiment = "factorial"
+    factorial_experiments = ("factorial",)
     help = "CIFAR-10 patch benchmark experiments (paired seeds)"
     profiles = PROFILES
     experiments = EXPERIMENTS

@@ -95,8 +95,8 @@ STABILITY_RUNS = (
     *((arm, False) for arm in BOUNDED_ARMS),
 )
 LR_MULTIPLIERS = {"smoke": (1.0, 64.0), "cpu": (0.25, 1.0, 4.0, 16.0, 64.0), "paper": (0.25, 1.0, 4.0, 16.0, 64.0)}
-EXPERIMENTS = ("main", "lr-sweep", "scaling", "lr-stability", "factorial")
-DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6, "lr-stability": 3, "factorial": 12}
+EXPERIMENTS = ("main", "lr-sweep", "scaling", "lr-stability", "factorial", "factorial-stability")
+DEFAULT_SEEDS = {"main": 12, "lr-sweep": 2, "scaling": 6, "lr-stability": 3, "factorial": 12, "factorial-stability": 3}
 # Values an arm's sweep adds past the edge of its grid (training.LR_GRID, FRAME_LR_GRID), entered when the
 # best value sat on that edge: results/lm/lr-sweep/summary.md flags such arms.
 SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {

@@ -73,6 +73,9 @@ def lm_summary(experiment: str, records: list[dict]) -> dict:
         summary["stability"] = stability_summary(records)
     elif experiment == "factorial":
         summary["factorial"] = suite_factorial(records, VAL_LOSS)
+    elif experiment == "factorial-stability":  # the table of sensitivities, then every run's losses behind it
+        summary["factorial"] = sensitivity_factorial(records)
+        summary["stability"] = stability_summary(records)
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
     return summary
@@ -85,12 +88,9 @@ def _stability_label(config: dict) -> str:
     return config["arm"] + (f"+clip{config['qk_clip']:g}" if "qk_clip" in config else "")
 
 
-def stability_summary(records: list[dict]) -> dict:
-    """Per run (arm, with QK-Clip or not) and learning-rate multiplier m: the final validation loss capped at a
-    uniform prediction's (a diverged run counts as that), how many diverged, the largest attention and output
-    logits over training; paired comparisons with adamw at every m; each run's learning-rate sensitivity
-    (Wortsman et al.: the mean over the sweep of the capped loss minus the run's best over the sweep, per seed)
-    with its paired difference from adamw's; the precondition and a verdict."""
+def _loss_table(records: list[dict]):
+    """cap (a uniform prediction's loss), table[m][label][seed] (the final loss capped at it), and the records
+    of each (label, m)."""
     cap = next((r["metrics"]["uniform_loss"] for r in records if "uniform_loss" in r["metrics"]), None)
     table: dict[float, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     cells: dict[tuple[str, float], list[dict]] = defaultdict(list)
@@ -100,6 +100,45 @@ def stability_summary(records: list[dict]) -> dict:
         loss = _final_loss(rec) if cap is None else min(_final_loss(rec), cap)
         table[m][label][c["seed"]] = loss
         cells[(label, m)].append(rec)
+    return cap, table, cells
+
+
+def _sensitivities(table, labels: list[str], multipliers: list[float]) -> dict[str, dict[int, float]]:
+    """Learning-rate sensitivity per label and seed (Wortsman et al.: the mean over the sweep of the capped loss
+    minus its best over the sweep), over the multipliers every run of that seed has; none for one multiplier."""
+    sens: dict[str, dict[int, float]] = defaultdict(dict)
+    for label in labels if len(multipliers) > 1 else ():  # one multiplier is no sweep
+        seeds = set.intersection(*(set(table[m][label]) for m in multipliers))
+        for seed in seeds:
+            losses = [table[m][label][seed] for m in multipliers]
+            sens[label][seed] = sum(losses) / len(losses) - min(losses)
+    return sens
+
+
+SENSITIVITY = Measure(
+    "learning-rate sensitivity", "nats/char", lambda rec: rec["metrics"]["sensitivity"], higher_is_better=False
+)
+
+
+def sensitivity_factorial(records: list[dict]) -> dict:
+    """The factorial section (suite_factorial) of each arm's learning-rate sensitivity per seed."""
+    _, table, cells = _loss_table(records)
+    labels = sorted({label for label, _ in cells})
+    sens = _sensitivities(table, labels, sorted(table))
+    per_seed = [
+        {"config": {"arm": label, "seed": seed}, "metrics": {"sensitivity": value}}
+        for label, seeds in sens.items()
+        for seed, value in sorted(seeds.items())
+    ]
+    return suite_factorial(per_seed, SENSITIVITY)
+
+
+def stability_summary(records: list[dict]) -> dict:
+    """Per run (arm, with QK-Clip or not) and learning-rate multiplier m: the final validation loss capped at a
+    uniform prediction's (a diverged run counts as that), how many diverged, the largest attention and output
+    logits over training; paired comparisons with adamw at every m; each run's learning-rate sensitivity
+    (_sensitivities) with its paired difference from adamw's; the precondition and a verdict."""
+    cap, table, cells = _loss_table(records)
     multipliers = sorted(table)
     labels = sorted({label for label, _ in cells}, key=lambda a: (a.split("+")[0] != "adamw", "+" in a, a))
     points = {}
@@ -119,13 +158,7 @@ def stability_summary(records: list[dict]) -> dict:
         f"{m:g}": [st for label in labels if label != "adamw" and (st := compare(table[m], label, "adamw"))]
         for m in multipliers
     }
-    # sensitivity per seed over the multipliers every run of that seed has
-    sens: dict[str, dict[int, float]] = defaultdict(dict)
-    for label in labels if len(multipliers) > 1 else ():  # one multiplier is no sweep
-        seeds = set.intersection(*(set(table[m][label]) for m in multipliers))
-        for seed in seeds:
-            losses = [table[m][label][seed] for m in multipliers]
-            sens[label][seed] = sum(losses) / len(losses) - min(losses)
+    sens = _sensitivities(table, labels, multipliers)
     sensitivity = {label: describe(list(v.values())) for label, v in sens.items()}
     sens_vs = [st for label in labels if label != "adamw" and (st := compare(sens, label, "adamw"))]
     out = {
@@ -425,10 +458,10 @@ def lm_markdown(summary: dict, profile: str) -> str:
         lines += sweep_markdown(summary["sweep"])
     if "scaling" in summary:
         lines += decay_markdown(summary["scaling"], digits=3)
-    if "stability" in summary:
-        lines += stability_markdown(summary["stability"])
     if "factorial" in summary:
         lines += factorial_markdown(FactorialSection.from_dict(summary["factorial"]), digits=3)
+    if "stability" in summary:
+        lines += stability_markdown(summary["stability"])
     for arm, text in sorted(summary.get("samples", {}).items()):
         lines += [f"Sample, {arm}, seed 0 (300 characters at a fixed sampling seed):", "", "```", text, "```", ""]
     lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
@@ -443,10 +476,10 @@ def write_lm_report(out_dir, experiment: str, records: list[dict], profile: str,
             mechanism_plot(summary["controls"], exp_dir, made)
         if "scaling" in summary:
             lead_plot(summary["scaling"], exp_dir, made)
-        if "stability" in summary:
-            stability_plot(summary["stability"], exp_dir, made)
         if "factorial" in summary:
             factorial_plot(FactorialSection.from_dict(summary["factorial"]), exp_dir, made)
+        if "stability" in summary:
+            stability_plot(summary["stability"], exp_dir, made)
         return made
 
     return write_experiment(out_dir, experiment, lm_summary(experiment, records), plots, lm_markdown, profile, plan)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ...nn import qk_clip, reset_logit_stats
-from ..arms import FACTORIAL_HELP
+from ..arms import FACTORIAL_ARMS, FACTORIAL_HELP
 from ..errors import NotReady
 from ..family import check_data
 from ..models import CharGPT
@@ -180,10 +180,13 @@ class LMFamily(SequenceFamily):
         "lr-sweep": "each arm's learning rates, scored on held-out training text, in two stages",
         "scaling": "the stiefel-adam lead against the training budget (steps)",
         "lr-stability": "every arm's rates times 1/4 to 64: sensitivity and the largest attention logit",
+        "factorial-stability": "the factorial's cells at lr-stability's multipliers, 3 seeds: which factor carries "
+        "the learning-rate sensitivity",
     }
-    reproduce_order = ("lr-sweep", "main", "scaling", "lr-stability", "factorial")
+    reproduce_order = ("lr-sweep", "main", "scaling", "lr-stability", "factorial", "factorial-stability")
     controls_experiment = "main"
     mechanism_experiment = "lr-stability"
+    factorial_experiments = ("factorial", "factorial-stability")
     default_data_sha256 = DEFAULT_TEXT_SHA256
     main_arms = MAIN_ARMS
     default_seeds = DEFAULT_SEEDS
@@ -212,6 +215,13 @@ class LMFamily(SequenceFamily):
                 for s in seeds
                 for m in LR_MULTIPLIERS[profile]
                 for arm, clip in STABILITY_RUNS
+            ]
+        if experiment == "factorial-stability":  # at m = 1 the cells are factorial's; shared arms, lr-stability's
+            return [
+                _cell(stability_config(profile, arm, s, m, False))
+                for s in seeds
+                for m in LR_MULTIPLIERS[profile]
+                for arm in FACTORIAL_ARMS
             ]
         if experiment == "scaling":
             steps = PROFILES[profile]["steps"]

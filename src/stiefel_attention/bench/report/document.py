@@ -311,7 +311,7 @@ def write_claims_report(
         [(f.name, f.title, f.controls_experiment) for f in all_families()],
     )
     lines += mechanism
-    tables = [(f.name, f.title, f.factorial_experiment) for f in all_families()]
+    tables = [(f.name, f.title, f.factorial_experiments) for f in all_families()]
     factorial = factorial_report_section(results_dir, tables)
     lines += ([""] if lines[-1] else []) + factorial if factorial else []
     report = results_dir / "REPORT.md"
@@ -418,13 +418,13 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         high = f"{anchor.split('#')[0]}#high-learning-rates-{_slug(mechanism, '### High learning rates: ')}"
         controls = [(f.name, f.title, f.controls_experiment) for f in all_families()]
         lines += [f"- [Bounded frames]({high}): {said}." for said in bounded_standings(results_dir, controls)]
-    tables = [(f.name, f.title, f.factorial_experiment) for f in all_families()]
+    tables = [(f.name, f.title, f.factorial_experiments) for f in all_families()]
     for title, where, progress, section, _ in testbed_factorials(results_dir, tables):
         if section.decomposition is not None:  # a testbed still running its cells has no answer to give yet
             link = f"[{where}]({prefix}/{where}/summary.md)"
             lines.append(
-                f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {title} "
-                f"({link}, {progress.runs()}): {section.sentence}."
+                f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {title}, "
+                f"{section.measure['name']} ({link}, {progress.runs()}): {section.sentence}."
             )
     return lines
 

@@ -364,31 +364,33 @@ def factorial_plot(section: FactorialSection, out_dir, made: list[str]) -> None:
     save_figure(fig, out_dir, "factorial.png", made, dpi=110)
 
 
-def testbed_factorials(results_dir, testbeds: Sequence[tuple[str, str, str | None]]):
-    """(title, where, progress, section, plots) of each testbed with a factorial summary under results_dir, where
-    is "family/experiment". testbeds: (family folder, title, its factorial experiment or None)."""
+def testbed_factorials(results_dir, testbeds: Sequence[tuple[str, str, Sequence[str]]]):
+    """(title, where, progress, section, plots) of each factorial summary under results_dir, testbed by testbed,
+    where is "family/experiment". testbeds: (family folder, title, its factorial experiments)."""
     import json
     from pathlib import Path
 
-    for family, title, experiment in testbeds:
-        path = Path(results_dir) / family / str(experiment) / "summary.json"
-        if not experiment or not path.exists():
-            continue
-        summary = json.loads(path.read_text())
-        section = FactorialSection.from_dict(summary["factorial"])
-        yield title, f"{family}/{experiment}", PlanProgress.of(summary), section, summary.get("plots", [])
+    for family, title, experiments in testbeds:
+        for experiment in experiments:
+            path = Path(results_dir) / family / experiment / "summary.json"
+            if not path.exists():
+                continue
+            summary = json.loads(path.read_text())
+            section = FactorialSection.from_dict(summary["factorial"])
+            yield title, f"{family}/{experiment}", PlanProgress.of(summary), section, summary.get("plots", [])
 
 
-def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, str | None]]) -> list[str]:
-    """REPORT.md lines of "Geometry or optimizer? The factorial": per testbed with a factorial summary under
-    results_dir, its runs, its answer (the decomposition's sentence, or why there is none yet) and its heat map.
-    testbeds: (family folder, title, its factorial experiment or None)."""
+def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, Sequence[str]]]) -> list[str]:
+    """REPORT.md lines of "Geometry or optimizer? The factorial": per factorial summary under results_dir, its
+    measure, its runs, its answer (the decomposition's sentence, or why there is none yet) and its heat map.
+    testbeds: (family folder, title, its factorial experiments)."""
     rows = []
     for title, where, progress, section, plots in testbed_factorials(results_dir, testbeds):
         answer = section.sentence if section.decomposition is not None else section.not_yet
-        rows += [f"- {title}: [{where}]({where}/summary.md) ({progress.runs()}): {answer}."]
+        measure = section.measure["name"]
+        rows += [f"- {title}, {measure}: [{where}]({where}/summary.md) ({progress.runs()}): {answer}."]
         if "factorial.png" in plots:
-            rows += ["", f"  ![{title}: the cell means]({where}/factorial.png)"]
+            rows += ["", f"  ![{title}: the cell means of {measure}]({where}/factorial.png)"]
         rows.append("")
     if not rows:
         return []

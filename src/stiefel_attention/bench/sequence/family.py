@@ -81,7 +81,7 @@ class SequenceFamily(Family):
 
     and may plan experiments of its own in `own_cells`."""
 
-    factorial_experiment = "factorial"
+    factorial_experiments: tuple[str, ...] = ("factorial",)
 
     main_arms: tuple[str, ...] = ()
     default_seeds: dict[str, int] = {}
