@@ -419,12 +419,12 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         controls = [(f.name, f.title, f.controls_experiment) for f in all_families()]
         lines += [f"- [Bounded frames]({high}): {said}." for said in bounded_standings(results_dir, controls)]
     tables = [(f.name, f.title, f.factorial_experiments) for f in all_families()]
-    for title, where, progress, section, _ in testbed_factorials(results_dir, tables):
-        if section.decomposition is not None:  # a testbed still running its cells has no answer to give yet
-            link = f"[{where}]({prefix}/{where}/summary.md)"
+    for t in testbed_factorials(results_dir, tables):
+        if t.section.decomposition is not None:  # a testbed still running its cells has no answer to give yet
+            link = f"[{t.where}]({prefix}/{t.where}/summary.md)"
             lines.append(
-                f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {title}, "
-                f"{section.measure['name']} ({link}, {progress.runs()}): {section.sentence}."
+                f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {t.title}, "
+                f"{t.section.measure['name']} ({link}, {t.progress.runs()}): {t.section.sentence}."
             )
     return lines
 

@@ -34,6 +34,7 @@ __all__ = [
     "CellResult",
     "Decomposition",
     "FactorialSection",
+    "TestbedFactorial",
     "decompose",
     "factorial_markdown",
     "factorial_plot",
@@ -364,9 +365,22 @@ def factorial_plot(section: FactorialSection, out_dir, made: list[str]) -> None:
     save_figure(fig, out_dir, "factorial.png", made, dpi=110)
 
 
+@dataclass(frozen=True)
+class TestbedFactorial:
+    """One factorial summary of a testbed, as REPORT and the README findings read it."""
+
+    __test__ = False  # not a pytest class, whatever its name
+
+    title: str  # the testbed's
+    where: str  # "family/experiment", the summary's folder under the results
+    progress: PlanProgress
+    section: FactorialSection
+    plots: tuple[str, ...]
+
+
 def testbed_factorials(results_dir, testbeds: Sequence[tuple[str, str, Sequence[str]]]):
-    """(title, where, progress, section, plots) of each factorial summary under results_dir, testbed by testbed,
-    where is "family/experiment". testbeds: (family folder, title, its factorial experiments)."""
+    """Each factorial summary under results_dir (a TestbedFactorial), testbed by testbed. testbeds: (family
+    folder, title, its factorial experiments)."""
     import json
     from pathlib import Path
 
@@ -376,8 +390,13 @@ def testbed_factorials(results_dir, testbeds: Sequence[tuple[str, str, Sequence[
             if not path.exists():
                 continue
             summary = json.loads(path.read_text())
-            section = FactorialSection.from_dict(summary["factorial"])
-            yield title, f"{family}/{experiment}", PlanProgress.of(summary), section, summary.get("plots", [])
+            yield TestbedFactorial(
+                title,
+                f"{family}/{experiment}",
+                PlanProgress.of(summary),
+                FactorialSection.from_dict(summary["factorial"]),
+                tuple(summary.get("plots", [])),
+            )
 
 
 def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, Sequence[str]]]) -> list[str]:
@@ -385,12 +404,12 @@ def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, Seq
     measure, its runs, its answer (the decomposition's sentence, or why there is none yet) and its heat map.
     testbeds: (family folder, title, its factorial experiments)."""
     rows = []
-    for title, where, progress, section, plots in testbed_factorials(results_dir, testbeds):
-        answer = section.sentence if section.decomposition is not None else section.not_yet
-        measure = section.measure["name"]
-        rows += [f"- {title}, {measure}: [{where}]({where}/summary.md) ({progress.runs()}): {answer}."]
-        if "factorial.png" in plots:
-            rows += ["", f"  ![{title}: the cell means of {measure}]({where}/factorial.png)"]
+    for t in testbed_factorials(results_dir, testbeds):
+        answer = t.section.sentence if t.section.decomposition is not None else t.section.not_yet
+        measure = t.section.measure["name"]
+        rows += [f"- {t.title}, {measure}: [{t.where}]({t.where}/summary.md) ({t.progress.runs()}): {answer}."]
+        if "factorial.png" in t.plots:
+            rows += ["", f"  ![{t.title}: the cell means of {measure}]({t.where}/factorial.png)"]
         rows.append("")
     if not rows:
         return []
