@@ -308,3 +308,20 @@ def test_the_readme_findings_give_each_factorial_answer_once_every_cell_has_run(
         "- [Geometry or optimizer?](results/REPORT.md#geometry-or-optimizer-the-factorial) multi-query associative "
         f"recall, loss ([mqar/factorial](results/mqar/factorial/summary.md), 168/168 runs): {full.sentence}."
     ]
+
+
+def test_an_interaction_in_one_cell_is_named_and_a_difference_in_steps_has_no_decimals():
+    """One cell failing alone (as a rule that never solves a task in one geometry) is an interaction: the sentence
+    names that cell and its part of the interaction's sum of squares."""
+    fails = lambda i, j: 900.0 if (i, j) == (0, 2) else 400.0 + 25.0 * j + 30.0 * i  # noqa: E731  (euclidean x sgd)
+    d = decompose(_table(fails, noise=5.0), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
+    g, o, part = d.interaction_cells()[0]
+    assert (g, o) == ("euclidean", "sgd") and 0.4 < part < 0.5  # 4/9 of it for a lone cell of a 3 x 3 table
+    assert sum(c[2] for c in d.interaction_cells()) == pytest.approx(1.0)
+    text = d.sentence("steps", higher_is_better=False)
+    assert "the interaction carries the most (its largest cell: euclidean x sgd, 4" in text
+    lo, hi = d.best_vs_second["ci95"]
+    assert f"({d.best_vs_second['mean_diff']:+.0f} steps [{lo:+.0f}, {hi:+.0f}], lower is better)" in text
+    small = decompose(_table(lambda i, j: 0.3 * i), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
+    assert "its largest cell" not in small.sentence("nats/char", False)  # the geometry leads: no cell to name
+    assert f"{small.best_vs_second['mean_diff']:+.3f} nats/char" in small.sentence("nats/char", False)

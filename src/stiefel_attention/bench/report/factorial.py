@@ -90,17 +90,40 @@ class Decomposition:
             if self.p_values[lead] < 0.05
             else f"the {lead} has the largest share, but its effect does not stand out from the seed noise"
         )
+        if lead == "interaction":
+            g, o, part = self.interaction_cells()[0]
+            carries += f" (its largest cell: {g} x {o}, {100 * part:.0f}% of the interaction's sum of squares)"
         st = self.best_vs_second
         lo, hi = st["ci95"]
         clear = not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
         verdict = "ahead of" if clear else "not distinguishable from"
+        digits = _digits(st["mean_diff"], lo, hi)
         return (
             f"of the spread between cells, {parts} (95% bootstrap over {len(self.seeds)} seeds); against the seed "
             f"noise (ANOVA, seeds as blocks) {tests}: {carries}. Best cell: {self.best[0]} x {self.best[1]}, "
-            f"{verdict} the second, {self.second[0]} x "
-            f"{self.second[1]} ({st['mean_diff']:+.3f} {unit} [{lo:+.3f}, {hi:+.3f}]"
+            f"{verdict} the second, {self.second[0]} x {self.second[1]} "
+            f"({st['mean_diff']:+.{digits}f} {unit} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
             + (", higher is better)" if higher_is_better else ", lower is better)")
         )
+
+    def interaction_cells(self) -> list[tuple[str, str, float]]:
+        """(geometry, optimizer, part) of every cell, largest first: its squared interaction residual
+        (m_go - m_g. - m_.o + m) as a part of their sum, where the interaction is concentrated."""
+        means = np.array(self.means)
+        resid = means - means.mean(axis=1, keepdims=True) - means.mean(axis=0, keepdims=True) + means.mean()
+        total = float((resid**2).sum())
+        cells = [
+            (g, o, float(resid[i, j] ** 2) / total if total > 0 else math.nan)
+            for i, g in enumerate(self.geometries)
+            for j, o in enumerate(self.optimizers)
+        ]
+        return sorted(cells, key=lambda c: -c[2])
+
+
+def _digits(*values: float) -> int:
+    """Decimals that show a difference on its own scale: none from ten (steps, epochs), one from one, three below."""
+    scale = max((abs(v) for v in values if not math.isnan(v)), default=0.0)
+    return 0 if scale >= 10 else 1 if scale >= 1 else 3
 
 
 def decompose(
