@@ -325,3 +325,27 @@ def test_an_interaction_in_one_cell_is_named_and_a_difference_in_steps_has_no_de
     small = decompose(_table(lambda i, j: 0.3 * i), GEOMETRIES, OPTIMIZERS, higher_is_better=False)
     assert "its largest cell" not in small.sentence("nats/char", False)  # the geometry leads: no cell to name
     assert f"{small.best_vs_second['mean_diff']:+.3f} nats/char" in small.sentence("nats/char", False)
+
+
+def test_the_heat_map_labels_each_cell_with_its_mean_its_censored_runs_and_a_readable_colour(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from stiefel_attention.bench.report.factorial import factorial_plot, factorial_section
+
+    recs = _records(lambda a, s: {"a": 400.0, "b": 1201.0, "c": 455.0}[a] + s, arms=("a", "b", "c"))
+    for r in recs:
+        r["metrics"]["c"] = r["config"]["arm"] == "b"
+    section = factorial_section(recs, _Measure("steps", censored=lambda rec: rec["metrics"]["c"]), _ARMS, _G, _O)
+    labels = {}
+    real = matplotlib.axes.Axes.text
+
+    def text(self, x, y, s, **kw):
+        labels[s] = kw.get("color")
+        return real(self, x, y, s, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", text)
+    made: list[str] = []
+    factorial_plot(section, tmp_path, made)
+    assert made == ["factorial.png"] and (tmp_path / "factorial.png").stat().st_size > 0
+    # lower is better: viridis_r puts the best (400) on light yellow, the never-solving cell on dark purple
+    assert labels == {"402": "black", "1202\n4 of 4 never": "white", "456": "black", "not run": "black"}

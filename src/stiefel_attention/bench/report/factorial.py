@@ -355,7 +355,8 @@ def fmt_std(x: float, digits: int) -> str:
 
 
 def factorial_plot(section: FactorialSection, out_dir, made: list[str]) -> None:
-    """A heat map of the cell means, rows geometry and columns optimizer, each cell labelled with its mean."""
+    """A heat map of the cell means, rows geometry and columns optimizer, each cell labelled with its mean and
+    how many of its runs are censored (never reached the threshold), in a colour readable on its background."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,23 +366,24 @@ def factorial_plot(section: FactorialSection, out_dir, made: list[str]) -> None:
 
     optimizers = list(dict.fromkeys(c.optimizer for c in section.cells))
     geometries = list(dict.fromkeys(c.geometry for c in section.cells))
-    grid = np.array([[c.mean if c.n else math.nan for c in section.cells if c.geometry == g] for g in geometries])
+    by = {(c.geometry, c.optimizer): c for c in section.cells}
+    grid = np.array([[by[(g, o)].mean if by[(g, o)].n else math.nan for o in optimizers] for g in geometries])
     m = section.measure
     fig, ax = plt.subplots(figsize=(1.6 * len(optimizers) + 2.5, 0.7 * len(geometries) + 1.5))
     image = ax.imshow(grid, cmap="viridis" if m["higher_is_better"] else "viridis_r", aspect="auto")
     ax.set_xticks(range(len(optimizers)), optimizers)
     ax.set_yticks(range(len(geometries)), geometries)
-    for i in range(len(geometries)):
-        for j in range(len(optimizers)):
-            ax.text(
-                j,
-                i,
-                "not run" if math.isnan(grid[i, j]) else f"{grid[i, j]:.3g}",
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="white",
-            )
+    for i, g in enumerate(geometries):
+        for j, o in enumerate(optimizers):
+            cell = by[(g, o)]
+            if not cell.n:
+                label, background = "not run", (1.0, 1.0, 1.0)
+            else:
+                label = f"{cell.mean:.0f}" if abs(cell.mean) >= 100 else f"{cell.mean:.3g}"
+                label += f"\n{cell.censored} of {cell.n} never" if cell.censored else ""
+                background = image.cmap(image.norm(cell.mean))[:3]
+            light = 0.299 * background[0] + 0.587 * background[1] + 0.114 * background[2] > 0.5
+            ax.text(j, i, label, ha="center", va="center", fontsize=8, color="black" if light else "white")
     fig.colorbar(image, ax=ax, label=f"{m['name']} ({m['unit']})")
     ax.set_xlabel("optimizer family on W_Q, W_K")
     ax.set_ylabel("geometry of W_Q, W_K")
