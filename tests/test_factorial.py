@@ -349,3 +349,25 @@ def test_the_heat_map_labels_each_cell_with_its_mean_its_censored_runs_and_a_rea
     assert made == ["factorial.png"] and (tmp_path / "factorial.png").stat().st_size > 0
     # lower is better: viridis_r puts the best (400) on light yellow, the never-solving cell on dark purple
     assert labels == {"402": "black", "1202\n4 of 4 never": "white", "456": "black", "not run": "black"}
+
+
+def test_a_variant_that_ties_the_reference_cell_says_in_how_many_seeds_and_whether_the_runs_differ():
+    """A threshold read at evaluations can give two close rules the same value in every seed (landing against
+    the polar retraction on mqar); the summary says so, and tells that from the same run recorded twice."""
+    from stiefel_attention.bench.report.factorial import FactorialSection, factorial_markdown, factorial_section
+
+    recs = _records(lambda a, s: 500.0 if a in "cv" else 400.0 + s)
+    for r in recs:
+        a, s = r["config"]["arm"], r["config"]["seed"]
+        r["curves"] = {"loss": [1.0, 0.5 + 1e-6 * (a == "v" and s != 3)]}  # seed 3: v's curve is c's
+    section = FactorialSection.from_dict(factorial_section(recs, _Measure(), _ARMS, _G, _O, ("v",)).to_dict())
+    assert section.ties == {"v": {"tied": 4, "n": 4, "same_runs": 1}}
+    assert section.variants_vs["v"]["mean_diff"] == 0.0
+    text = "\n".join(factorial_markdown(section))
+    assert "v has the frames x adam cell's loss in 4 of 4 seeds; in 1 of them its recorded curves are the cell's" in text
+    for r in recs:
+        r["curves"]["loss"][1] += 1e-6 * (r["config"]["arm"] == "v")
+    text = "\n".join(factorial_markdown(factorial_section(recs, _Measure(), _ARMS, _G, _O, ("v",))))
+    assert "4 of 4 seeds; its runs are not the cell's: their recorded curves differ in each of those seeds." in text
+    apart = factorial_section(_records(lambda a, s: float(s) + (a == "v")), _Measure(), _ARMS, _G, _O, ("v",))
+    assert apart.ties == {} and "frames x adam cell's" not in "\n".join(factorial_markdown(apart))

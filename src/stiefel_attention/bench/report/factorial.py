@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -209,6 +209,9 @@ class FactorialSection:
     sentence: str
     not_yet: str  # why there is no decomposition ("" when there is one)
     note: str = ""  # the measure's fallback was used, and why
+    # arm -> {"tied", "n", "same_runs"} for a variant with the reference cell's value in some seeds: in how many,
+    # of how many shared, and in how many of those its recorded curves are the reference's too (the same run)
+    ties: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -224,6 +227,7 @@ class FactorialSection:
             d["sentence"],
             d["not_yet"],
             d.get("note", ""),
+            d.get("ties", {}),
         )
 
 
@@ -253,9 +257,11 @@ def factorial_section(
         measure = measure.fallback  # only the fallback tells runs apart that all stop at the budget
     values: dict[str, dict[int, float]] = {}
     censored: dict[str, int] = {}
+    curves: dict[tuple[str, int], dict | None] = {}
     for rec in records:
         arm = rec["config"]["arm"]
         values.setdefault(arm, {})[rec["config"]["seed"]] = measure.value(rec)
+        curves[(arm, rec["config"]["seed"])] = rec.get("curves")
         censored[arm] = censored.get(arm, 0) + bool(measure.censored and measure.censored(rec))
     cells = tuple(
         _cell_result(g, o, table_arms[(g, o)], values.get(table_arms[(g, o)], {}), censored.get(table_arms[(g, o)], 0))
@@ -264,18 +270,24 @@ def factorial_section(
     )
     side = tuple(_cell_result("frames", a, a, values.get(a, {}), censored.get(a, 0)) for a in variants)
     ref = values.get(table_arms[reference], {})
-    vs = {}
+    vs, ties = {}, {}
     for a in variants:
         shared = sorted(set(values.get(a, {})) & set(ref))
         if len(shared) >= 2:
             vs[a] = paired_comparison([values[a][s] for s in shared], [ref[s] for s in shared])
+        tied = [s for s in shared if values[a][s] == ref[s]]
+        if tied:
+            same = [
+                s for s in tied if curves[(a, s)] is not None and curves[(a, s)] == curves[(table_arms[reference], s)]
+            ]
+            ties[a] = {"tied": len(tied), "n": len(shared), "same_runs": len(same)}
     table = {(g, o): values[table_arms[(g, o)]] for g in geometries for o in optimizers if table_arms[(g, o)] in values}
     unit, better = measure.unit, measure.higher_is_better
     try:
         d = decompose(table, geometries, optimizers, higher_is_better=better)
     except ValueError as err:
-        return FactorialSection(measure.describe(), cells, side, vs, None, "", f"no decomposition: {err}", note)
-    return FactorialSection(measure.describe(), cells, side, vs, asdict(d), d.sentence(unit, better), "", note)
+        return FactorialSection(measure.describe(), cells, side, vs, None, "", f"no decomposition: {err}", note, ties)
+    return FactorialSection(measure.describe(), cells, side, vs, asdict(d), d.sentence(unit, better), "", note, ties)
 
 
 def suite_factorial(records: Sequence[dict], measure) -> dict:
@@ -347,6 +359,13 @@ def factorial_markdown(section: FactorialSection, digits: int = 3) -> list[str]:
             mean = f"{c.mean:.{digits}f} ± {fmt_std(c.std, digits)}" if c.n else "not run"
             lines.append(f"| {c.arm} | {mean} | {c.n} | {diff} |")
         lines.append("")
+        for arm, t in section.ties.items():
+            runs = (
+                "its runs are not the cell's: their recorded curves differ in each of those seeds"
+                if not t["same_runs"]
+                else f"in {t['same_runs']} of them its recorded curves are the cell's too: the same run twice"
+            )
+            lines += [f"{arm} has the frames x adam cell's {m['name']} in {t['tied']} of {t['n']} seeds; {runs}.", ""]
     return lines
 
 
