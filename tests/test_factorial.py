@@ -364,7 +364,8 @@ def test_a_variant_that_ties_the_reference_cell_says_in_how_many_seeds_and_wheth
     assert section.ties == {"v": {"tied": 4, "n": 4, "same_runs": 1}}
     assert section.variants_vs["v"]["mean_diff"] == 0.0
     text = "\n".join(factorial_markdown(section))
-    assert "v has the frames x adam cell's loss in 4 of 4 seeds; in 1 of them its recorded curves are the cell's" in text
+    said = "v has the frames x adam cell's loss in 4 of 4 seeds; in 1 of them its recorded curves are the cell's"
+    assert said in text
     for r in recs:
         r["curves"]["loss"][1] += 1e-6 * (r["config"]["arm"] == "v")
     text = "\n".join(factorial_markdown(factorial_section(recs, _Measure(), _ARMS, _G, _O, ("v",))))

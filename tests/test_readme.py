@@ -59,6 +59,20 @@ def test_the_findings_block_is_what_the_committed_summaries_say():
     assert bounded in block and "#### " not in block
     report = (root / "results" / "REPORT.md").read_text()
     assert "### High learning rates: character-level LM (tiny Shakespeare)" in report
+    # where the frames help and cost, one line per baseline with every testbed; the longer verdicts folded
+    lines = block.splitlines()
+    stand = [line for line in lines if line.startswith("- [Where the frames stand](results/REPORT.md#when-does")]
+    assert [line.split("): ", 1)[1].split(",", 1)[0] for line in stand] == [
+        "stiefel-adam against adamw",
+        "stiefel-adam against qk-norm",
+        "stiefel-adam against frozen",
+    ]
+    for title in ("CIFAR-10 patches", "modular addition (grokking)", "character-level LM", "associative recall"):
+        assert all(title in line for line in stand), title
+    fold = lines.index("<details><summary>Each testbed's verdict on every arm, and the bounded frames (computed)"
+                       "</summary>")  # fmt: skip
+    assert lines[-1] == "</details>" and all(line.startswith("- [When does") for line in lines[fold + 2 : fold + 6])
+    assert not any("When does the geometry dominate?" in line for line in lines[:fold])
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from .geometry import (
     geometry_section,
     mechanism_found,
     mechanism_section,
+    standings_sentence,
     verdicts_by_testbed,
 )
 from .summaries import PlanProgress
@@ -373,6 +374,10 @@ def verdict_kind(verdict_text: str) -> str:
     return "other"
 
 
+FOLD_START = "<details><summary>Each testbed's verdict on every arm, and the bounded frames (computed)</summary>"
+FOLD_END = "</details>"
+
+
 def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str]:
     """The README's block of what was found, computed from the summaries under results_dir (links start with
     prefix, the folder as the README sees it): the claims tallied by verdict, the headline claims, each
@@ -401,23 +406,19 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
         if claim.startswith("(not the paper's"):
             where = link.replace("](", f"]({prefix}/", 1)
             lines.append(f"- {where}: {claim.split(') ', 1)[-1]}: **{said}**")
-    testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
     anchor = f"{report}#when-does-the-geometry-dominate"
-    for title, said in verdicts_by_testbed(results_dir, testbeds):
-        clauses = [c for c in said.split("; ") if not c.startswith("mechanism:")]
-        lines.append(f"- [When does the geometry dominate?]({anchor}) {title}: {'; '.join(clauses[:4])}")
-    mechanism = mechanism_section(
-        results_dir,
-        mechanism_found(results_dir, all_families()),
-        [(f.name, f.title, f.controls_experiment) for f in all_families()],
-    )
+    controls = [(f.name, f.title, f.controls_experiment) for f in all_families()]
+    for baseline in ("adamw", "qk-norm", "frozen"):  # where the frames help and cost, and whether learning them does
+        if said := standings_sentence(results_dir, controls, "stiefel-adam", baseline):
+            lines.append(f"- [Where the frames stand]({anchor}): {said}.")
+    mechanism = mechanism_section(results_dir, mechanism_found(results_dir, all_families()), controls)
+    bounded = []
     if mechanism:
         answers = mechanism[0].split(": ", 1)[-1]
         lines.append(f"- [The mechanism]({anchor.split('#')[0]}#the-mechanism-by-intervention-{_slug(mechanism)}): "
                      f"{answers}")  # fmt: skip
         high = f"{anchor.split('#')[0]}#high-learning-rates-{_slug(mechanism, '### High learning rates: ')}"
-        controls = [(f.name, f.title, f.controls_experiment) for f in all_families()]
-        lines += [f"- [Bounded frames]({high}): {said}." for said in bounded_standings(results_dir, controls)]
+        bounded = [f"- [Bounded frames]({high}): {said}." for said in bounded_standings(results_dir, controls)]
     tables = [(f.name, f.title, f.factorial_experiments) for f in all_families()]
     for t in testbed_factorials(results_dir, tables):
         if t.section.decomposition is not None:  # a testbed still running its cells has no answer to give yet
@@ -426,6 +427,14 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
                 f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {t.title}, "
                 f"{t.section.measure['name']} ({link}, {t.progress.runs()}): {t.section.sentence}."
             )
+    testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
+    each = [
+        f"- [When does the geometry dominate?]({anchor}) {title}: "
+        + "; ".join([c for c in said.split("; ") if not c.startswith("mechanism:")][:4])
+        for title, said in verdicts_by_testbed(results_dir, testbeds)
+    ]
+    if each or bounded:  # the longer verdicts, folded: the lines above are what a reader needs first
+        lines += ["", FOLD_START, "", *each, *bounded, "", FOLD_END]
     return lines
 
 

@@ -613,32 +613,43 @@ def mechanism_section(
 BOUNDED_FRAMES = "stiefel-adam-bounded"
 
 
-def bounded_standings(results_dir: Path, controls: list[tuple[str, str, str | None]]) -> list[str]:
-    """Where the bounded frames stand, one sentence against adamw and one against the plain frames, each listing
-    every testbed whose controls summary has them (standing words and the paired difference). Each testbed runs
-    each arm at its own rate for it: the one its sweep chose, or its protocol's where it has no sweep."""
-    found: dict[str, list[str]] = {"adamw": [], "stiefel-adam": []}
+def standings(results_dir: Path, controls: list[tuple[str, str, str | None]], arm: str, baseline: str) -> list[str]:
+    """Where arm stands against baseline in each testbed whose controls summary compares them (either way round,
+    stated as arm - baseline): "title: standing words baseline (paired difference)", testbed by testbed."""
+    said = []
     for family, title, experiment in controls:
         summary = (_load(results_dir / family / str(experiment) / "summary.json") or {}).get("controls")
         if not summary:
             continue
         m = summary["measure"]
         for c in summary["comparisons"]:
-            pair = (c["arm"], c["baseline"])
-            if pair not in ((BOUNDED_FRAMES, "adamw"), ("stiefel-adam", BOUNDED_FRAMES)) or c["n_seeds"] < 2:
+            if (c["arm"], c["baseline"]) not in ((arm, baseline), (baseline, arm)) or c["n_seeds"] < 2:
                 continue
-            if pair[0] == "stiefel-adam":  # stated as bounded - stiefel-adam
+            if c["arm"] == baseline:  # stated as arm - baseline
                 c = {**c, "mean_diff": 0.0 - c["mean_diff"], "ci95": [0.0 - c["ci95"][1], 0.0 - c["ci95"][0]]}
             at = standing(c, m["higher_is_better"])
             digits = 0 if m["unit"] in ("steps", "epochs") else 3 if m["unit"].startswith("nats") else 2
-            other = "adamw" if pair[1] == "adamw" else "stiefel-adam"
-            found[other].append(f"{title}: {STANDING_WORDS[at]} {other} ({fmt_diff(c, m['unit'], digits)})")
-    return [
-        f"{BOUNDED_FRAMES} against {other}, each testbed at its own rates (tuned where it has a sweep), paired by "
+            said.append(f"{title}: {STANDING_WORDS[at]} {baseline} ({fmt_diff(c, m['unit'], digits)})")
+    return said
+
+
+def standings_sentence(results_dir: Path, controls: list[tuple[str, str, str | None]], arm: str, baseline: str):
+    """One sentence of `standings` (None where no testbed compares them)."""
+    said = standings(results_dir, controls, arm, baseline)
+    if not said:
+        return None
+    return (
+        f"{arm} against {baseline}, each testbed at its own rates (tuned where it has a sweep), paired by "
         f"seed: {'; '.join(said)}"
-        for other, said in found.items()
-        if said
-    ]
+    )
+
+
+def bounded_standings(results_dir: Path, controls: list[tuple[str, str, str | None]]) -> list[str]:
+    """Where the bounded frames stand, one sentence against adamw and one against the plain frames, each listing
+    every testbed whose controls summary has them (standing words and the paired difference). Each testbed runs
+    each arm at its own rate for it: the one its sweep chose, or its protocol's where it has no sweep."""
+    found = [standings_sentence(results_dir, controls, BOUNDED_FRAMES, other) for other in ("adamw", "stiefel-adam")]
+    return [sentence for sentence in found if sentence]
 
 
 def _bounded_lines(bounded: BoundedAnswer, standings: Sequence[str] = ()) -> list[str]:
