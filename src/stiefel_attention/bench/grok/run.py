@@ -284,6 +284,10 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
     if saved is not None:  # a resumed run: total_s covers every stretch, or is unknown (None)
         timings["walls"] = [*walls, wall]
         timings["total_s"] = None if None in walls else sum(timings["walls"])
+    if diverged is not None and saved is not None and diverged == start:
+        # blown up on its first epoch after resuming: the checkpoint is the suspect, not the training, so this is a
+        # failure (the runner deletes the checkpoint and the next attempt starts afresh), not a diverged run
+        raise FloatingPointError(f"training blew up at epoch {diverged}, the first after resuming from a checkpoint")
     trained = cfg["epochs"] if diverged is None else diverged - 1
     return {
         "metrics": {
