@@ -24,6 +24,7 @@ BLOWN_UP = (NonFiniteGradientError, torch.linalg.LinAlgError)
 
 __all__ = [
     "BLOWN_UP",
+    "step_optimizers",
     "run_timings",
     "Trainer",
     "warmup_cosine",
@@ -38,6 +39,18 @@ __all__ = [
     "tuned_rates",
     "default_seeds",
 ]
+
+
+def step_optimizers(opts, scheds) -> bool:
+    """One step of every optimizer, each followed by its schedule's; False if a step raised BLOWN_UP (training
+    has blown up: the caller records the run as diverging), True otherwise."""
+    try:
+        for o, s in zip(opts, scheds):
+            o.step()
+            s.step()
+    except BLOWN_UP:
+        return False
+    return True
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:

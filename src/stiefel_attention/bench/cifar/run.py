@@ -32,7 +32,7 @@ from ..errors import NotReady
 from ..family import Family, check_data, data_of, with_data
 from ..models import PatchViT
 from ..records import Cell
-from ..training import BLOWN_UP, init_fingerprint, run_timings, warmup_cosine
+from ..training import init_fingerprint, run_timings, step_optimizers, warmup_cosine
 from .config import (
     ABLATION_ARMS,
     CONTROL_ARMS,
@@ -305,11 +305,7 @@ def run(cfg: dict, data: str | None = None, device: str | None = None, progress=
                 o.zero_grad(set_to_none=True)
             loss.backward()
             before = [p.detach().clone() for p in qk()]
-            try:
-                for o, s in zip(opts, scheds):
-                    o.step()
-                    s.step()
-            except BLOWN_UP:
+            if not step_optimizers(opts, scheds):
                 diverged = epoch
                 break
             with torch.no_grad():

@@ -29,7 +29,7 @@ from ..arms import HyperParameters, arm_spec, attention_options, build_optimizer
 from ..family import Family
 from ..models import ModularTransformer
 from ..records import Cell
-from ..training import BLOWN_UP
+from ..training import step_optimizers
 from .config import (
     ARMS,
     BASE,
@@ -235,11 +235,7 @@ def run(cfg: dict, device: str | None = None, progress=None, checkpoint=None) ->
         for o in opts:
             o.zero_grad(set_to_none=True)
         loss.backward()
-        try:
-            for o, s in zip(opts, scheds):
-                o.step()
-                s.step()
-        except BLOWN_UP:
+        if not step_optimizers(opts, scheds):
             diverged = epoch
             break
         if tau is not None:

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .fmt import fmt_ci, fmt_p
-from .stats import block_two_way_anova, paired_comparison
+from .fmt import fmt_ci, fmt_p, unit_digits
+from .stats import block_two_way_anova, interaction_residuals, paired_comparison
 from .summaries import PlanProgress
 
 __all__ = [
@@ -56,7 +56,7 @@ def two_way_shares(means: np.ndarray) -> dict[str, float]:
     ss = {
         "geometry": n_optimizers * float(((rows - grand) ** 2).sum()),
         "optimizer": n_geometries * float(((cols - grand) ** 2).sum()),
-        "interaction": float(((means - rows[:, None] - cols[None, :] + grand) ** 2).sum()),
+        "interaction": float((interaction_residuals(means) ** 2).sum()),
     }
     total = sum(ss.values())
     return {k: (v / total if total > 0 else math.nan) for k, v in ss.items()}
@@ -97,7 +97,7 @@ class Decomposition:
         lo, hi = st["ci95"]
         clear = not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
         verdict = "ahead of" if clear else "not distinguishable from"
-        digits = _digits(st["mean_diff"], lo, hi)
+        digits = unit_digits(unit)
         return (
             f"of the spread between cells, {parts} (95% bootstrap over {len(self.seeds)} seeds); against the seed "
             f"noise (ANOVA, seeds as blocks) {tests}: {carries}. Best cell: {self.best[0]} x {self.best[1]}, "
@@ -109,8 +109,7 @@ class Decomposition:
     def interaction_cells(self) -> list[tuple[str, str, float]]:
         """(geometry, optimizer, part) of every cell, largest first: its squared interaction residual
         (m_go - m_g. - m_.o + m) as a part of their sum, where the interaction is concentrated."""
-        means = np.array(self.means)
-        resid = means - means.mean(axis=1, keepdims=True) - means.mean(axis=0, keepdims=True) + means.mean()
+        resid = interaction_residuals(np.array(self.means))
         total = float((resid**2).sum())
         cells = [
             (g, o, float(resid[i, j] ** 2) / total if total > 0 else math.nan)
@@ -118,12 +117,6 @@ class Decomposition:
             for j, o in enumerate(self.optimizers)
         ]
         return sorted(cells, key=lambda c: -c[2])
-
-
-def _digits(*values: float) -> int:
-    """Decimals that show a difference on its own scale: none from ten (steps, epochs), one from one, three below."""
-    scale = max((abs(v) for v in values if not math.isnan(v)), default=0.0)
-    return 0 if scale >= 10 else 1 if scale >= 1 else 3
 
 
 def decompose(

@@ -51,6 +51,11 @@ def provisional(verdict: str, waiting: list[str], decided: bool) -> str:
     return f"so far ({runs}): {verdict}" if decided else f"not decided yet ({runs}); at these seeds: {verdict}"
 
 
+def unit_digits(unit: str) -> int:
+    """Decimals of a difference in unit: none for counts (steps, epochs), three for nats, two otherwise (pp)."""
+    return 0 if unit in ("steps", "epochs") else 3 if unit.startswith("nats") else 2
+
+
 def fmt_p(p: float) -> str:
     return "n/a" if p is None or math.isnan(p) else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..arms import BOUNDED_ARMS, arm_spec
-from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, provisional, save_figure, undefined
+from .fmt import fmt_ci, fmt_num, fmt_p, fmt_seeds, open_arms, provisional, save_figure, undefined, unit_digits
 from .stats import describe, paired_comparison
 from .summaries import BoundedAnswer, MechanismFound, PlanProgress
 
@@ -628,8 +628,7 @@ def standings(results_dir: Path, controls: list[tuple[str, str, str | None]], ar
             if c["arm"] == baseline:  # stated as arm - baseline
                 c = {**c, "mean_diff": 0.0 - c["mean_diff"], "ci95": [0.0 - c["ci95"][1], 0.0 - c["ci95"][0]]}
             at = standing(c, m["higher_is_better"])
-            digits = 0 if m["unit"] in ("steps", "epochs") else 3 if m["unit"].startswith("nats") else 2
-            said.append(f"{title}: {STANDING_WORDS[at]} {baseline} ({fmt_diff(c, m['unit'], digits)})")
+            said.append(f"{title}: {STANDING_WORDS[at]} {baseline} ({fmt_diff(c, m['unit'], unit_digits(m['unit']))})")
     return said
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import stats as sps
 
-__all__ = ["block_two_way_anova", "describe", "paired_comparison"]
+__all__ = ["block_two_way_anova", "describe", "interaction_residuals", "paired_comparison"]
 
 
 def describe(values: Sequence[float]) -> dict:
@@ -70,6 +70,11 @@ def paired_comparison(arm: Sequence[float], baseline: Sequence[float], alpha: fl
     return out
 
 
+def interaction_residuals(means: np.ndarray) -> np.ndarray:
+    """m_ab - m_a. - m_.b + m of a two-way table of means: what the row and column effects leave."""
+    return means - means.mean(axis=1, keepdims=True) - means.mean(axis=0, keepdims=True) + means.mean()
+
+
 def block_two_way_anova(values: np.ndarray) -> dict[str, dict]:
     """Tests of the two factors and their interaction in a (A, B, S) table whose S seeds are blocks: each seed
     runs every cell (the same initialisation and data), so a seed's own level is taken out, and the error term is
@@ -88,7 +93,7 @@ def block_two_way_anova(values: np.ndarray) -> dict[str, dict]:
     ss = {
         "a": n_b * n_s * float(((rows - grand) ** 2).sum()),
         "b": n_a * n_s * float(((cols - grand) ** 2).sum()),
-        "interaction": n_s * float(((cells - rows[:, None] - cols[None, :] + grand) ** 2).sum()),
+        "interaction": n_s * float((interaction_residuals(cells) ** 2).sum()),
     }
     df = {"a": n_a - 1, "b": n_b - 1, "interaction": (n_a - 1) * (n_b - 1)}
     error = x - cells[:, :, None] - seeds[None, None, :] + grand
