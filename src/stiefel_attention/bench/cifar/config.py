@@ -136,12 +136,14 @@ CONTROL_LR_GRID = {
     # them by lr * weight_decay per step); Muon on QK-norm's W_Q, W_K at Muon's grid around its choice; manifold
     # Muon (a step of spectral norm lr) around stiefel-adam's; the fixed-step rule's grid on bounded frames;
     # Kong et al.'s elementwise Adam on AdamW's scale; landing on stiefel-adam's.
-    "sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
-    "qk-norm-sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    # sgd, qk-norm-sgd, both manifold Muons and Kong's best sat on the grid's upper edge: each grid took two
+    # values above it at once
+    "sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0),
+    "qk-norm-sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0),
     "qk-norm-muon": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3),
-    "stiefel-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
-    "stiefel-muon-bounded": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "stiefel-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    "stiefel-muon-bounded": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
     "stiefel-sgd-bounded": FRAME_LR_GRID["stiefel-sgd"][1:],
-    "kong-stiefel-adam": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
+    "kong-stiefel-adam": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
     "landing-stiefel-adam": (1e-3, *FRAME_LR_GRID["stiefel-adam"]),
 }
