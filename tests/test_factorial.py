@@ -106,6 +106,60 @@ def test_every_cell_of_the_table_is_an_arm_of_its_geometry_and_its_optimizer_fam
         assert len(stepping) == 1 and issubclass(stepping.pop(), families[family]), arm
 
 
+def test_each_variant_has_its_cells_geometry_and_optimizer_family_and_sgd_nodecay_differs_only_in_the_decay():
+    import torch
+
+    from stiefel_attention import qk_parameters
+    from stiefel_attention.bench.arms import (
+        FACTORIAL,
+        FACTORIAL_VARIANTS,
+        HyperParameters,
+        attention_options,
+        build_optimizers,
+    )
+    from stiefel_attention.bench.models import CharGPT
+
+    hp = HyperParameters(lr=1e-3, weight_decay=0.1, frame_lr=1e-2, max_step=0.1)
+
+    def qk_groups(arm):
+        torch.manual_seed(0)
+        model = CharGPT(20, 8, d_model=16, n_layers=1, n_heads=2, head_dim=4, mlp_ratio=2, **attention_options(arm))
+        qk = {id(p) for _, p in qk_parameters(model)}
+        return [
+            (type(o), g) for o in build_optimizers(model, arm, hp) for g in o.param_groups if id(g["params"][0]) in qk
+        ]
+
+    for variant, cell in FACTORIAL_VARIANTS.items():
+        assert cell in FACTORIAL, variant
+        assert attention_options(variant) == attention_options(FACTORIAL[cell]), variant
+    (plain,) = qk_groups("sgd")
+    (free,) = qk_groups("sgd-nodecay")
+    assert plain[0] is free[0] is torch.optim.SGD
+    assert plain[1]["weight_decay"] == 0.1 and free[1]["weight_decay"] == 0.0
+    assert {k: v for k, v in plain[1].items() if k not in ("params", "weight_decay")} == {
+        k: v for k, v in free[1].items() if k not in ("params", "weight_decay")
+    }
+
+
+def test_a_variant_in_its_cells_place_gives_the_decomposition_of_that_table():
+    """A lone outlying cell makes the interaction carry the most; its variant without the outlier, put in its place,
+    leaves the geometry's effect alone: the substituted decomposition says so, and the summary shows it."""
+    from stiefel_attention.bench.report.factorial import FactorialSection, factorial_markdown, factorial_section
+
+    value = {"a": 0.0, "b": 5.0, "c": 1.0, "d": 1.0, "w": 0.0}  # b: the outlier; w: b's cell without it
+    recs = _records(lambda a, s: value[a] + 0.01 * ((s * 7 + ord(a)) % 5), arms=("a", "b", "c", "d", "w"))
+    section = factorial_section(recs, _Measure(), _ARMS, _G, _O, {"w": ("euclidean", "sgd")})
+    assert max(section.decomposition["shares"], key=section.decomposition["shares"].get) != "geometry"
+    sub = section.substituted["w"]["shares"]
+    assert sub["geometry"] > 0.95 and sub == FactorialSection.from_dict(section.to_dict()).substituted["w"]["shares"]
+    text = "\n".join(factorial_markdown(section))
+    assert "| w | euclidean x sgd |" in text and "| w for euclidean x sgd (4 seeds) | 100% [" in text
+    assert section.substitution_phrase("w").startswith("with w in euclidean x sgd's place: geometry 100% (p=")
+    alone = factorial_section(recs[:8] + [r for r in recs if r["config"]["arm"] in "bcd"], _Measure(), _ARMS, _G, _O,
+                              {"w": ("euclidean", "sgd")})  # fmt: skip
+    assert alone.substituted == {} and alone.substitution_phrase("w") == ""  # w has no runs: no substitute table
+
+
 # --- the testbed's factorial section -------------------------------------------------------------------------
 
 
@@ -136,7 +190,7 @@ def test_the_section_holds_every_cell_decomposes_and_compares_each_variant_with_
 
     geometry_effect = {"a": 0.0, "b": 0.0, "c": 1.0, "d": 1.0, "v": 1.5}
     recs = _records(lambda a, s: geometry_effect[a] + 0.01 * s + 0.001 * (a == "b") + 0.001 * (a == "v" and s == 0))
-    section = factorial_section(recs, _Measure(), _ARMS, _G, _O, variants=("v",))
+    section = factorial_section(recs, _Measure(), _ARMS, _G, _O, variants={"v": ("frames", "adam")})
     assert [(c.arm, c.n) for c in section.cells] == [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
     assert section.decomposition["shares"]["geometry"] > 0.99 and section.not_yet == ""
     assert "the geometry carries the most" in section.sentence
@@ -144,7 +198,10 @@ def test_the_section_holds_every_cell_decomposes_and_compares_each_variant_with_
     again = FactorialSection.from_dict(section.to_dict())  # what summary.json holds reads back as the same section
     assert again == section
     text = "\n".join(factorial_markdown(again))
-    assert "| euclidean | 0.015 ± 0.013 (`a`, 4) |" in text and "| v | 1.515 ± 0.013 | 4 | +0.500 |" in text
+    assert (
+        "| euclidean | 0.015 ± 0.013 (`a`, 4) |" in text
+        and "| v | frames x adam | 1.515 ± 0.013 | 4 | +0.500 |" in text
+    )
 
 
 def test_a_cell_without_runs_is_shown_as_not_run_and_leaves_no_decomposition():
@@ -360,7 +417,9 @@ def test_a_variant_that_ties_the_reference_cell_says_in_how_many_seeds_and_wheth
     for r in recs:
         a, s = r["config"]["arm"], r["config"]["seed"]
         r["curves"] = {"loss": [1.0, 0.5 + 1e-6 * (a == "v" and s != 3)]}  # seed 3: v's curve is c's
-    section = FactorialSection.from_dict(factorial_section(recs, _Measure(), _ARMS, _G, _O, ("v",)).to_dict())
+    section = FactorialSection.from_dict(
+        factorial_section(recs, _Measure(), _ARMS, _G, _O, {"v": ("frames", "adam")}).to_dict()
+    )
     assert section.ties == {"v": {"tied": 4, "n": 4, "same_runs": 1}}
     assert section.variants_vs["v"]["mean_diff"] == 0.0
     text = "\n".join(factorial_markdown(section))
@@ -368,7 +427,9 @@ def test_a_variant_that_ties_the_reference_cell_says_in_how_many_seeds_and_wheth
     assert said in text
     for r in recs:
         r["curves"]["loss"][1] += 1e-6 * (r["config"]["arm"] == "v")
-    text = "\n".join(factorial_markdown(factorial_section(recs, _Measure(), _ARMS, _G, _O, ("v",))))
+    text = "\n".join(factorial_markdown(factorial_section(recs, _Measure(), _ARMS, _G, _O, {"v": ("frames", "adam")})))
     assert "4 of 4 seeds; its runs are not the cell's: their recorded curves differ in each of those seeds." in text
-    apart = factorial_section(_records(lambda a, s: float(s) + (a == "v")), _Measure(), _ARMS, _G, _O, ("v",))
+    apart = factorial_section(
+        _records(lambda a, s: float(s) + (a == "v")), _Measure(), _ARMS, _G, _O, {"v": ("frames", "adam")}
+    )
     assert apart.ties == {} and "frames x adam cell's" not in "\n".join(factorial_markdown(apart))

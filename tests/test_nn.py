@@ -35,7 +35,17 @@ ORTHO_ARMS = (
     "stiefel-muon-bounded",
     "stiefel-sgd-bounded",
 )
-STANDARD_ARMS = ("adamw", "adamw-qk-nodecay", "qk-norm", "muon", "adamw-bounded", "sgd", "qk-norm-muon", "qk-norm-sgd")
+STANDARD_ARMS = (
+    "adamw",
+    "adamw-qk-nodecay",
+    "qk-norm",
+    "muon",
+    "adamw-bounded",
+    "sgd",
+    "sgd-nodecay",
+    "qk-norm-muon",
+    "qk-norm-sgd",
+)
 # Parameters an arm may add to or re-parametrise on the query-key path
 ROUTING = ("w_q", "w_k", "original", "q_gain", "k_gain", "log_temperature")
 

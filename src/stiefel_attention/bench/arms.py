@@ -136,12 +136,16 @@ def _muon(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
     return [rest, muon_cls(qk, lr=hp.qk_lr, weight_decay=hp.weight_decay, adjust_lr_fn="match_rms_adamw")]
 
 
-def _sgd(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
-    """SGD with momentum (hp.sgd_momentum) and the model's weight decay on W_Q, W_K at frame_lr; AdamW elsewhere:
-    the SGD column's Euclidean cells of the geometry x optimizer table."""
+def _sgd(model: nn.Module, hp: HyperParameters, qk_decay: bool = True) -> list[Optimizer]:
+    """SGD with momentum (hp.sgd_momentum) on W_Q, W_K at frame_lr, with the model's weight decay or none; AdamW
+    elsewhere: the SGD column's Euclidean cells of the geometry x optimizer table, and their decay-free control.
+
+    torch's SGD adds the decay to the gradient: a fixed L2 penalty (weight_decay / 2) |W|^2 whatever the learning
+    rate, where AdamW's and Muon's decoupled decay shrinks by lr * weight_decay per step."""
     groups, qk = _without_qk(model, hp)
     rest = StiefelAdam(groups, lr=hp.lr, betas=hp.betas, eps=hp.eps)
-    return [rest, torch.optim.SGD(qk, lr=hp.qk_lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)]
+    decay = hp.weight_decay if qk_decay else 0.0
+    return [rest, torch.optim.SGD(qk, lr=hp.qk_lr, momentum=hp.sgd_momentum, weight_decay=decay)]
 
 
 def _stiefel_muon(model: nn.Module, hp: HyperParameters) -> list[Optimizer]:
@@ -267,6 +271,13 @@ ARMS: dict[str, Arm] = {
             decays_qk=True,
         ),
         Arm(
+            "sgd-nodecay",
+            "control: SGD with momentum on ordinary Q/K without their weight decay, AdamW elsewhere",
+            _EUCLID,
+            lambda m, hp: _sgd(m, hp, qk_decay=False),
+            swept="frame_lr",
+        ),
+        Arm(
             "qk-norm-muon",
             "QK-norm with torch's Muon on W_Q, W_K (nn.Linear layout), AdamW elsewhere",
             dict(_EUCLID, qk_norm=True, qk_layout="linear"),
@@ -337,7 +348,7 @@ BOUNDED_ARMS = ("stiefel-adam-bounded", "adamw-bounded", "stiefel-adam-bounded-t
 FACTORIAL_GEOMETRIES = ("euclidean", "qk-norm", "frames", "bounded frames")
 FACTORIAL_OPTIMIZERS = ("adam", "muon", "sgd")
 # what a testbed's `factorial` experiment answers (its line in `list` and --help)
-FACTORIAL_HELP = "geometry x optimizer on W_Q, W_K (12 cells, 2 variants), 12 paired seeds: which factor matters"
+FACTORIAL_HELP = "geometry x optimizer on W_Q, W_K (12 cells, 3 variants), 12 paired seeds: which factor matters"
 FACTORIAL: dict[tuple[str, str], str] = {
     ("euclidean", "adam"): "adamw",
     ("euclidean", "muon"): "muon",
@@ -352,10 +363,16 @@ FACTORIAL: dict[tuple[str, str], str] = {
     ("bounded frames", "muon"): "stiefel-muon-bounded",
     ("bounded frames", "sgd"): "stiefel-sgd-bounded",
 }
-# Adam-type rules on frames beside the table's: prior art and a retraction-free variant
-FRAME_ADAM_VARIANTS = ("kong-stiefel-adam", "landing-stiefel-adam")
+# Rules beside the table's cells, each compared, paired by seed, with the cell it sits beside (geometry, optimizer):
+# Adam-type prior art and a retraction-free rule on frames; the Euclidean SGD cell without the decay on W_Q, W_K
+# (torch's SGD turns the decay into a fixed L2 penalty, unlike the other columns' decoupled decay)
+FACTORIAL_VARIANTS: dict[str, tuple[str, str]] = {
+    "kong-stiefel-adam": ("frames", "adam"),
+    "landing-stiefel-adam": ("frames", "adam"),
+    "sgd-nodecay": ("euclidean", "sgd"),
+}
 # Every arm of a testbed's `factorial` experiment: the table's cells, then the variants
-FACTORIAL_ARMS = (*FACTORIAL.values(), *FRAME_ADAM_VARIANTS)
+FACTORIAL_ARMS = (*FACTORIAL.values(), *FACTORIAL_VARIANTS)
 
 
 def arm_spec(arm: str) -> Arm:

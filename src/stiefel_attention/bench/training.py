@@ -166,6 +166,7 @@ FRAME_LR_GRID = {
     # Kong et al.'s Adam is elementwise (a step of about lr per entry): AdamW's scale. Landing: StiefelAdam's.
     "sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
     "qk-norm-sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+    "sgd-nodecay": (1e-2, 3e-2, 1e-1, 3e-1, 1.0),  # sgd's grid, fixed before its runs
     "qk-norm-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
     "stiefel-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
     "stiefel-muon-bounded": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),

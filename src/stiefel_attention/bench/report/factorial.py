@@ -21,7 +21,7 @@ the second best on the paired seeds.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -196,15 +196,19 @@ class FactorialSection:
 
     measure: dict  # name, unit, higher_is_better
     cells: tuple[CellResult, ...]  # every cell of the table, in row-major order, n = 0 where it has no run
-    variants: tuple[CellResult, ...]  # Adam-type rules on frames beside the table's (optimizer: the arm's rule)
-    variants_vs: dict[str, dict]  # arm -> paired comparison with the frames x adam cell (variant - it)
+    variants: tuple[CellResult, ...]  # rules beside the table's cells (geometry: its cell's; optimizer: the arm)
+    variants_vs: dict[str, dict]  # arm -> paired comparison with the cell it sits beside (variant - it)
     decomposition: dict | None  # asdict(Decomposition), None until every cell shares 2 seeds
     sentence: str
     not_yet: str  # why there is no decomposition ("" when there is one)
     note: str = ""  # the measure's fallback was used, and why
-    # arm -> {"tied", "n", "same_runs"} for a variant with the reference cell's value in some seeds: in how many,
-    # of how many shared, and in how many of those its recorded curves are the reference's too (the same run)
+    # arm -> {"tied", "n", "same_runs"} for a variant with its cell's value in some seeds: in how many, of how
+    # many shared, and in how many of those its recorded curves are the cell's too (the same run)
     ties: dict[str, dict] = field(default_factory=dict)
+    beside: dict[str, tuple[str, str]] = field(default_factory=dict)  # variant arm -> (geometry, optimizer)
+    # variant arm -> asdict(Decomposition) of the table with the variant's runs in its cell's place, once every
+    # cell and the variant share 2 seeds: whether the answer rests on how that one cell was built
+    substituted: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -221,7 +225,18 @@ class FactorialSection:
             d["not_yet"],
             d.get("note", ""),
             d.get("ties", {}),
+            {a: tuple(c) for a, c in d.get("beside", {}).items()},
+            d.get("substituted", {}),
         )
+
+    def substitution_phrase(self, arm: str) -> str:
+        """The shares with `arm` in its cell's place, in words ("" when not decomposed)."""
+        d = self.substituted.get(arm)
+        if d is None:
+            return ""
+        g, o = self.beside[arm]
+        shares = ", ".join(f"{k} {100 * d['shares'][k]:.0f}% (p={fmt_p(d['p_values'][k])})" for k in SOURCES)
+        return f"with {arm} in {g} x {o}'s place: {shares}"
 
 
 def _cell_result(geometry: str, optimizer: str, arm: str, values: dict[int, float], censored: int) -> CellResult:
@@ -238,12 +253,12 @@ def factorial_section(
     table_arms: dict[tuple[str, str], str],
     geometries: Sequence[str],
     optimizers: Sequence[str],
-    variants: Sequence[str] = (),
-    reference: tuple[str, str] = ("frames", "adam"),
+    variants: Mapping[str, tuple[str, str]] | None = None,
 ) -> FactorialSection:
     """The factorial section of a summary from one testbed's records. measure: value(record), name, unit,
     higher_is_better and censored(record) or None (geometry.Measure). table_arms: (geometry, optimizer) -> arm;
-    variants: arms compared, paired by seed, with the `reference` cell."""
+    variants: arm -> the (geometry, optimizer) cell it is compared with, paired by seed, and substituted for."""
+    variants = dict(variants or {})
     note = ""
     if measure.censored and records and all(measure.censored(r) for r in records) and measure.fallback:
         note = f"every run is censored on {measure.name}, so the table is of {measure.fallback.name}"
@@ -261,34 +276,45 @@ def factorial_section(
         for g in geometries
         for o in optimizers
     )
-    side = tuple(_cell_result("frames", a, a, values.get(a, {}), censored.get(a, 0)) for a in variants)
-    ref = values.get(table_arms[reference], {})
+    side = tuple(_cell_result(c[0], a, a, values.get(a, {}), censored.get(a, 0)) for a, c in variants.items())
     vs, ties = {}, {}
-    for a in variants:
+    for a, cell in variants.items():
+        ref = values.get(table_arms[cell], {})
         shared = sorted(set(values.get(a, {})) & set(ref))
         if len(shared) >= 2:
             vs[a] = paired_comparison([values[a][s] for s in shared], [ref[s] for s in shared])
         tied = [s for s in shared if values[a][s] == ref[s]]
         if tied:
-            same = [
-                s for s in tied if curves[(a, s)] is not None and curves[(a, s)] == curves[(table_arms[reference], s)]
-            ]
+            same = [s for s in tied if curves[(a, s)] is not None and curves[(a, s)] == curves[(table_arms[cell], s)]]
             ties[a] = {"tied": len(tied), "n": len(shared), "same_runs": len(same)}
     table = {(g, o): values[table_arms[(g, o)]] for g in geometries for o in optimizers if table_arms[(g, o)] in values}
     unit, better = measure.unit, measure.higher_is_better
     try:
         d = decompose(table, geometries, optimizers, higher_is_better=better)
     except ValueError as err:
-        return FactorialSection(measure.describe(), cells, side, vs, None, "", f"no decomposition: {err}", note, ties)
-    return FactorialSection(measure.describe(), cells, side, vs, asdict(d), d.sentence(unit, better), "", note, ties)
+        no = f"no decomposition: {err}"
+        return FactorialSection(measure.describe(), cells, side, vs, None, "", no, note, ties, variants)
+    substituted = {}
+    for a, cell in variants.items():
+        if a in values:
+            try:
+                substituted[a] = asdict(
+                    decompose({**table, cell: values[a]}, geometries, optimizers, higher_is_better=better)
+                )
+            except ValueError:  # too few seeds shared with the variant: no substitute table yet
+                pass
+    sentence = d.sentence(unit, better)
+    return FactorialSection(
+        measure.describe(), cells, side, vs, asdict(d), sentence, "", note, ties, variants, substituted
+    )
 
 
 def suite_factorial(records: Sequence[dict], measure) -> dict:
-    """summary["factorial"] of a testbed: the suite's table (arms.FACTORIAL) and its Adam-type variants on frames."""
-    from ..arms import FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FRAME_ADAM_VARIANTS
+    """summary["factorial"] of a testbed: the suite's table (arms.FACTORIAL) and the variants beside its cells."""
+    from ..arms import FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FACTORIAL_VARIANTS
 
     table = factorial_section(
-        records, measure, FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FRAME_ADAM_VARIANTS
+        records, measure, FACTORIAL, FACTORIAL_GEOMETRIES, FACTORIAL_OPTIMIZERS, FACTORIAL_VARIANTS
     )
     return table.to_dict()
 
@@ -341,16 +367,17 @@ def factorial_markdown(section: FactorialSection, digits: int = 3) -> list[str]:
         ]
     if section.variants:
         lines += [
-            "Adam-type rules on frames beside the table's (each against the frames x adam cell, paired by seed):",
+            "Rules beside the table's cells (each against the cell it sits beside, paired by seed):",
             "",
-            f"| rule | mean ± std ({m['unit']}) | seeds | − frames x adam | 95% CI |",
-            "|---|---|---|---|---|",
+            f"| rule | beside | mean ± std ({m['unit']}) | seeds | − the cell | 95% CI |",
+            "|---|---|---|---|---|---|",
         ]
         for c in section.variants:
             st = section.variants_vs.get(c.arm)
             diff = f"{st['mean_diff']:+.{digits}f} | {fmt_ci(st['ci95'], digits)}" if st else "n/a | n/a"
             mean = f"{c.mean:.{digits}f} ± {fmt_std(c.std, digits)}" if c.n else "not run"
-            lines.append(f"| {c.arm} | {mean} | {c.n} | {diff} |")
+            g, o = section.beside[c.arm]
+            lines.append(f"| {c.arm} | {g} x {o} | {mean} | {c.n} | {diff} |")
         lines.append("")
         for arm, t in section.ties.items():
             runs = (
@@ -358,7 +385,24 @@ def factorial_markdown(section: FactorialSection, digits: int = 3) -> list[str]:
                 if not t["same_runs"]
                 else f"in {t['same_runs']} of them its recorded curves are the cell's too: the same run twice"
             )
-            lines += [f"{arm} has the frames x adam cell's {m['name']} in {t['tied']} of {t['n']} seeds; {runs}.", ""]
+            g, o = section.beside[arm]
+            lines += [f"{arm} has the {g} x {o} cell's {m['name']} in {t['tied']} of {t['n']} seeds; {runs}.", ""]
+    if section.substituted:
+        lines += [
+            "The decomposition with each rule's runs in its cell's place (the seeds every cell and the rule share):",
+            "",
+            "| in the cell's place | " + " | ".join(SOURCES) + " |",
+            "|---" * (len(SOURCES) + 1) + "|",
+        ]
+        for arm, d in section.substituted.items():
+            g, o = section.beside[arm]
+            shares = " | ".join(
+                f"{100 * d['shares'][k]:.0f}% [{100 * d['intervals'][k][0]:.0f}%, {100 * d['intervals'][k][1]:.0f}%], "
+                f"p={fmt_p(d['p_values'][k])}"
+                for k in SOURCES
+            )
+            lines.append(f"| {arm} for {g} x {o} ({len(d['seeds'])} seeds) | {shares} |")
+        lines.append("")
     return lines
 
 
@@ -445,6 +489,7 @@ def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, Seq
         answer = t.section.sentence if t.section.decomposition is not None else t.section.not_yet
         measure = t.section.measure["name"]
         rows += [f"- {t.title}, {measure}: [{t.where}]({t.where}/summary.md) ({t.progress.runs()}): {answer}."]
+        rows[-1] += "".join(f" The table {t.section.substitution_phrase(a)}." for a in t.section.substituted)
         if "factorial.png" in t.plots:
             rows += ["", f"  ![{t.title}: the cell means of {measure}]({t.where}/factorial.png)"]
         rows.append("")
