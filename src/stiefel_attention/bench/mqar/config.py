@@ -74,6 +74,7 @@ PROFILES: dict[str, dict] = {
             "stiefel-sgd-bounded": {"frame_lr": 0.1},
             "kong-stiefel-adam": {"frame_lr": 1e-3},
             "landing-stiefel-adam": {"frame_lr": 3e-2},
+            "sgd-nodecay": {"frame_lr": 0.3},
         },
         **_OPT,
     ),
