@@ -154,10 +154,22 @@ def test_a_variant_in_its_cells_place_gives_the_decomposition_of_that_table():
     assert sub["geometry"] > 0.95 and sub == FactorialSection.from_dict(section.to_dict()).substituted["w"]["shares"]
     text = "\n".join(factorial_markdown(section))
     assert "| w | euclidean x sgd |" in text and "| w for euclidean x sgd (4 seeds) | 100% [" in text
-    assert section.substitution_phrase("w").startswith("with w in euclidean x sgd's place: geometry 100% (p=")
+    said = section.substitutions_sentence()
+    assert said.startswith("Each variant in its cell's place: w (euclidean x sgd) gives geometry 100% [")
+    assert said.endswith(": the geometry carries the most")
+    recs += [
+        {"config": {"arm": "u", "seed": r["config"]["seed"]}, "metrics": dict(r["metrics"])}
+        for r in recs
+        if r["config"]["arm"] == "b"
+    ]  # u: a variant with b's values: the table's answer unchanged
+    both = factorial_section(recs, _Measure(), _ARMS, _G, _O, {"w": ("euclidean", "sgd"), "u": ("euclidean", "sgd")})
+    assert both.substitutions_sentence().startswith(
+        "Each variant in its cell's place: u (euclidean x sgd) leaves every share within the table's interval; "
+        "w (euclidean x sgd) gives geometry 100%"
+    )
     alone = factorial_section(recs[:8] + [r for r in recs if r["config"]["arm"] in "bcd"], _Measure(), _ARMS, _G, _O,
                               {"w": ("euclidean", "sgd")})  # fmt: skip
-    assert alone.substituted == {} and alone.substitution_phrase("w") == ""  # w has no runs: no substitute table
+    assert alone.substituted == {} and alone.substitutions_sentence() == ""  # w has no runs: no substitute table
 
 
 # --- the testbed's factorial section -------------------------------------------------------------------------

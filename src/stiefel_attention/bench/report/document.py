@@ -426,7 +426,7 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
             lines.append(
                 f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {t.title}, "
                 f"{t.section.measure['name']} ({link}, {t.progress.runs()}): {t.section.sentence}."
-                + "".join(f" The table {t.section.substitution_phrase(a)}." for a in t.section.substituted)
+                + (f" {said}." if (said := t.section.substitutions_sentence()) else "")
             )
     testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
     each = [

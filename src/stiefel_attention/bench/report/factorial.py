@@ -79,32 +79,58 @@ class Decomposition:
 
     def sentence(self, unit: str, higher_is_better: bool) -> str:
         """The answer in words, from the numbers (which factor carries the most of the spread, and the best cell)."""
-        lead = max(SOURCES, key=lambda k: self.shares[k])
-        parts = ", ".join(
-            f"{k} {100 * self.shares[k]:.0f}% [{100 * self.intervals[k][0]:.0f}, {100 * self.intervals[k][1]:.0f}]"
-            for k in SOURCES
-        )
         tests = ", ".join(f"{k} p={fmt_p(self.p_values[k])}" for k in SOURCES)
-        carries = (
-            f"the {lead} carries the most"
-            if self.p_values[lead] < 0.05
-            else f"the {lead} has the largest share, but its effect does not stand out from the seed noise"
-        )
-        if lead == "interaction":
-            g, o, part = self.interaction_cells()[0]
-            carries += f" (its largest cell: {g} x {o}, {100 * part:.0f}% of the interaction's sum of squares)"
         st = self.best_vs_second
         lo, hi = st["ci95"]
         clear = not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
         verdict = "ahead of" if clear else "not distinguishable from"
         digits = unit_digits(unit)
         return (
-            f"of the spread between cells, {parts} (95% bootstrap over {len(self.seeds)} seeds); against the seed "
-            f"noise (ANOVA, seeds as blocks) {tests}: {carries}. Best cell: {self.best[0]} x {self.best[1]}, "
+            f"of the spread between cells, {self.shares_phrase()} (95% bootstrap over {len(self.seeds)} seeds); "
+            f"against the seed noise (ANOVA, seeds as blocks) {tests}: {self.carries()}. "
+            f"Best cell: {self.best[0]} x {self.best[1]}, "
             f"{verdict} the second, {self.second[0]} x {self.second[1]} "
             f"({st['mean_diff']:+.{digits}f} {unit} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
             + (", higher is better)" if higher_is_better else ", lower is better)")
         )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Decomposition:
+        """The decomposition `asdict` wrote to summary.json."""
+        return cls(
+            tuple(d["geometries"]),
+            tuple(d["optimizers"]),
+            tuple(d["seeds"]),
+            tuple(tuple(row) for row in d["means"]),
+            d["shares"],
+            {k: tuple(v) for k, v in d["intervals"].items()},
+            tuple(d["best"]),
+            tuple(d["second"]),
+            d["best_vs_second"],
+            d["p_values"],
+        )
+
+    def lead(self) -> str | None:
+        """The source that carries the most: the largest share, where its test rejects at 5% (None otherwise)."""
+        lead = max(SOURCES, key=lambda k: self.shares[k])
+        return lead if self.p_values[lead] < 0.05 else None
+
+    def shares_phrase(self) -> str:
+        return ", ".join(
+            f"{k} {100 * self.shares[k]:.0f}% [{100 * self.intervals[k][0]:.0f}, {100 * self.intervals[k][1]:.0f}]"
+            for k in SOURCES
+        )
+
+    def carries(self) -> str:
+        """Which source carries the most, in words (where the interaction does, its largest cell)."""
+        lead = max(SOURCES, key=lambda k: self.shares[k])
+        if self.lead() is None:
+            return f"the {lead} has the largest share, but its effect does not stand out from the seed noise"
+        said = f"the {lead} carries the most"
+        if lead == "interaction":
+            g, o, part = self.interaction_cells()[0]
+            said += f" (its largest cell: {g} x {o}, {100 * part:.0f}% of the interaction's sum of squares)"
+        return said
 
     def interaction_cells(self) -> list[tuple[str, str, float]]:
         """(geometry, optimizer, part) of every cell, largest first: its squared interaction residual
@@ -229,14 +255,26 @@ class FactorialSection:
             d.get("substituted", {}),
         )
 
-    def substitution_phrase(self, arm: str) -> str:
-        """The shares with `arm` in its cell's place, in words ("" when not decomposed)."""
-        d = self.substituted.get(arm)
-        if d is None:
+    def substitutions_sentence(self) -> str:
+        """How the answer moves with each variant in its cell's place ("" with none decomposed): the variants that
+        leave every share within the table's bootstrap interval and the same source carrying the most, named
+        together; each other one with its shares and what carries the most then."""
+        if self.decomposition is None or not self.substituted:
             return ""
-        g, o = self.beside[arm]
-        shares = ", ".join(f"{k} {100 * d['shares'][k]:.0f}% (p={fmt_p(d['p_values'][k])})" for k in SOURCES)
-        return f"with {arm} in {g} x {o}'s place: {shares}"
+        base = Decomposition.from_dict(self.decomposition)
+        kept, moved = [], []
+        for arm, d in self.substituted.items():
+            sub = Decomposition.from_dict(d)
+            g, o = self.beside[arm]
+            inside = all(base.intervals[k][0] <= sub.shares[k] <= base.intervals[k][1] for k in SOURCES)
+            if inside and sub.lead() == base.lead():
+                kept.append(f"{arm} ({g} x {o})")
+            else:
+                moved.append(f"{arm} ({g} x {o}) gives {sub.shares_phrase()}: {sub.carries()}")
+        if kept:
+            names = " and ".join([", ".join(kept[:-1]), kept[-1]] if len(kept) > 1 else kept)
+            kept = [f"{names} {'leaves' if len(kept) == 1 else 'leave'} every share within the table's interval"]
+        return "Each variant in its cell's place: " + "; ".join(kept + moved)
 
 
 def _cell_result(geometry: str, optimizer: str, arm: str, values: dict[int, float], censored: int) -> CellResult:
@@ -489,7 +527,8 @@ def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, Seq
         answer = t.section.sentence if t.section.decomposition is not None else t.section.not_yet
         measure = t.section.measure["name"]
         rows += [f"- {t.title}, {measure}: [{t.where}]({t.where}/summary.md) ({t.progress.runs()}): {answer}."]
-        rows[-1] += "".join(f" The table {t.section.substitution_phrase(a)}." for a in t.section.substituted)
+        if said := t.section.substitutions_sentence():
+            rows[-1] += f" {said}."
         if "factorial.png" in t.plots:
             rows += ["", f"  ![{t.title}: the cell means of {measure}]({t.where}/factorial.png)"]
         rows.append("")
