@@ -149,7 +149,8 @@ CONTROL_LR_GRID = {
     # values above it at once
     "sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0),
     "qk-norm-sgd": (1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0),
-    "sgd-nodecay": (1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0),  # sgd's extended grid, fixed before its runs
+    # sgd's extended grid, fixed before its runs; its best sat on the lower edge: two values below it at once
+    "sgd-nodecay": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0),
     "qk-norm-muon": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3),
     "stiefel-muon": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
     "stiefel-muon-bounded": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
