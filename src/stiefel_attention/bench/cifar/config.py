@@ -76,6 +76,7 @@ PROFILES: dict[str, dict] = {
             "stiefel-sgd-bounded": {"frame_lr": 3.0},
             "kong-stiefel-adam": {"frame_lr": 3e-2},
             "landing-stiefel-adam": {"frame_lr": 1e-2},
+            "sgd-nodecay": {"frame_lr": 1e-2},
         },
         weight_decay=0.05,
         max_step=0.1,

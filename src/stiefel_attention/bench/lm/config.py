@@ -109,6 +109,9 @@ SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
         "stiefel-adam-temp": (0.3, 1.0),
         "stiefel-adam-bounded": (1.0,),
         "stiefel-adam-bounded-temp": (1.0,),
+        "qk-norm-sgd": (1e-3, 3e-3),
+        "qk-norm-muon": (0.3, 1.0),
+        "sgd": (1e-3, 3e-3),
     },
 }
 SAMPLE_CHARS = 300
