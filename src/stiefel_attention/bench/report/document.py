@@ -425,8 +425,7 @@ def findings_lines(results_dir: str | Path, prefix: str = "results") -> list[str
             link = f"[{t.where}]({prefix}/{t.where}/summary.md)"
             lines.append(
                 f"- [Geometry or optimizer?]({report}#geometry-or-optimizer-the-factorial) {t.title}, "
-                f"{t.section.measure['name']} ({link}, {t.progress.runs()}): {t.section.sentence}."
-                + (f" {said}." if (said := t.section.substitutions_sentence()) else "")
+                f"{t.section.measure['name']} ({link}, {t.progress.runs()}): {t.section.answer()}."
             )
     testbeds = [(f.name, f.title, f.controls_experiment, f.decay_experiment) for f in all_families()]
     each = [

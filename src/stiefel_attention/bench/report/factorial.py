@@ -110,10 +110,14 @@ class Decomposition:
             d["p_values"],
         )
 
+    def largest(self) -> str:
+        """The source with the largest share of the spread."""
+        return max(SOURCES, key=lambda k: self.shares[k])
+
     def lead(self) -> str | None:
         """The source that carries the most: the largest share, where its test rejects at 5% (None otherwise)."""
-        lead = max(SOURCES, key=lambda k: self.shares[k])
-        return lead if self.p_values[lead] < 0.05 else None
+        largest = self.largest()
+        return largest if self.p_values[largest] < 0.05 else None
 
     def shares_phrase(self) -> str:
         return ", ".join(
@@ -123,7 +127,7 @@ class Decomposition:
 
     def carries(self) -> str:
         """Which source carries the most, in words (where the interaction does, its largest cell)."""
-        lead = max(SOURCES, key=lambda k: self.shares[k])
+        lead = self.largest()
         if self.lead() is None:
             return f"the {lead} has the largest share, but its effect does not stand out from the seed noise"
         said = f"the {lead} carries the most"
@@ -254,6 +258,12 @@ class FactorialSection:
             {a: tuple(c) for a, c in d.get("beside", {}).items()},
             d.get("substituted", {}),
         )
+
+    def answer(self) -> str:
+        """What REPORT and the README say: the decomposition's sentence (or why there is none yet), then how it moves
+        with each variant in its cell's place."""
+        said = self.sentence if self.decomposition is not None else self.not_yet
+        return said + (f". {more}" if (more := self.substitutions_sentence()) else "")
 
     def substitutions_sentence(self) -> str:
         """How the answer moves with each variant in its cell's place ("" with none decomposed): the variants that
@@ -524,11 +534,10 @@ def factorial_report_section(results_dir, testbeds: Sequence[tuple[str, str, Seq
     testbeds: (family folder, title, its factorial experiments)."""
     rows = []
     for t in testbed_factorials(results_dir, testbeds):
-        answer = t.section.sentence if t.section.decomposition is not None else t.section.not_yet
         measure = t.section.measure["name"]
-        rows += [f"- {t.title}, {measure}: [{t.where}]({t.where}/summary.md) ({t.progress.runs()}): {answer}."]
-        if said := t.section.substitutions_sentence():
-            rows[-1] += f" {said}."
+        rows += [
+            f"- {t.title}, {measure}: [{t.where}]({t.where}/summary.md) ({t.progress.runs()}): {t.section.answer()}."
+        ]
         if "factorial.png" in t.plots:
             rows += ["", f"  ![{t.title}: the cell means of {measure}]({t.where}/factorial.png)"]
         rows.append("")
