@@ -59,6 +59,7 @@ PROFILES: dict[str, dict] = {
             "adamw-bounded": {"lr": 1e-2},
             "stiefel-adam-bounded": {"frame_lr": 0.3},
             "stiefel-adam-bounded-temp": {"frame_lr": 0.3},
+            "stiefel-muon": {"frame_lr": 1e-2},
         },
         # lr-stability's QK-Clip threshold, fixed before its runs: above the largest attention logit of every
         # adamw run of `main` (m = 1; 12 seeds, largest head at the end 32.5-44.7), so that it binds only where
