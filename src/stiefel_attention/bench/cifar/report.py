@@ -12,7 +12,18 @@ from ..arms import arm_spec
 from ..family import Plan
 from ..report.document import comparison_rows, verdict, write_experiment
 from ..report.factorial import FactorialSection, factorial_markdown, factorial_plot, suite_factorial
-from ..report.fmt import fmt_ci, fmt_num, fmt_p, fmt_runs, fmt_t, open_arms, provisional, save_figure
+from ..report.fmt import (
+    diverged_lines,
+    diverged_runs,
+    fmt_ci,
+    fmt_num,
+    fmt_p,
+    fmt_runs,
+    fmt_t,
+    open_arms,
+    provisional,
+    save_figure,
+)
 from ..report.geometry import (
     Measure,
     compare,
@@ -98,6 +109,8 @@ def cifar_summary(experiment: str, records: list[dict]) -> dict:
         summary["factorial"] = suite_factorial(records, TEST_ACCURACY)
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
+    if diverged := diverged_runs(records, "epoch"):  # said only where it happened
+        summary["diverged"] = diverged
     return summary
 
 
@@ -284,6 +297,7 @@ def summary_markdown(summary: dict, profile: str) -> str:
         lines += decay_markdown(summary["decay"])
     if "factorial" in summary:
         lines += factorial_markdown(FactorialSection.from_dict(summary["factorial"]), digits=2)
+    lines += diverged_lines(summary.get("diverged", []), "epoch", "guessing, one class in ten, in the accuracy")
     for plot in summary.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"

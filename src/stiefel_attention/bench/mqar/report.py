@@ -9,7 +9,7 @@ from pathlib import Path
 from ..family import Plan
 from ..report.document import write_experiment
 from ..report.factorial import FactorialSection, factorial_markdown, factorial_plot, suite_factorial
-from ..report.fmt import fmt_ci, fmt_num, fmt_seeds
+from ..report.fmt import diverged_lines, diverged_runs, fmt_ci, fmt_num, fmt_seeds
 from ..report.geometry import (
     SENSITIVITY,
     Measure,
@@ -105,9 +105,8 @@ def mqar_summary(experiment: str, records: list[dict]) -> dict:
             }
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
-    diverged = [(r["name"], r["metrics"]["diverged_at_step"]) for r in records if r["metrics"].get("diverged_at_step")]
-    if diverged:  # said only where it happened
-        summary["diverged"] = [{"run": name, "step": step} for name, step in sorted(diverged)]
+    if diverged := diverged_runs(records, "step"):  # said only where it happened
+        summary["diverged"] = diverged
     return summary
 
 
@@ -161,13 +160,9 @@ def mqar_markdown(summary: dict, profile: str) -> str:
                 f"final accuracy {acc['mean_diff']:+.1f} pp {fmt_ci(acc['ci95'], 1)}; {fmt_seeds(steps['n_seeds'])}"
             )
         lines.append("")
-    if diverged := summary.get("diverged"):
-        runs = "; ".join(f"{d['run']} at step {d['step']}" for d in diverged)
-        lines += [
-            f"Diverged ({len(diverged)} runs: a loss or gradient stopped being finite, or a frame's polar factor "
-            f"failed; each counts as never solving the task and as guessing in the final accuracy): {runs}.",
-            "",
-        ]
+    lines += diverged_lines(
+        summary.get("diverged", []), "step", "never solving the task and as guessing in the final accuracy"
+    )
     lines += [f"![{p}]({p})" for p in summary.get("plots", [])]
     return "\n".join(lines) + "\n"
 

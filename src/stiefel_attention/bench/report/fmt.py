@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .summaries import PlanProgress
 
-__all__ = ["fmt_ci", "fmt_p", "fmt_runs", "fmt_t", "open_arms", "provisional", "save_figure", "undefined"]
+__all__ = ["diverged_lines", "diverged_runs", "fmt_ci", "fmt_p", "fmt_runs", "fmt_t", "open_arms", "provisional", "save_figure", "undefined"]
 
 
 def undefined(x) -> bool:
@@ -49,6 +49,26 @@ def provisional(verdict: str, waiting: list[str], decided: bool) -> str:
         return verdict
     runs = f"{', '.join(waiting)} runs"
     return f"so far ({runs}): {verdict}" if decided else f"not decided yet ({runs}); at these seeds: {verdict}"
+
+
+def diverged_runs(records: list[dict], unit: str) -> list[dict]:
+    """Every run that diverged, as {"run": name, unit: when} in name order, from metrics.diverged_at_<unit>
+    (unit "step" or "epoch"); a summary says this only where it happened."""
+    key = f"diverged_at_{unit}"
+    found = [r for r in records if r["metrics"].get(key)]
+    return [{"run": r["name"], unit: r["metrics"][key]} for r in sorted(found, key=lambda r: r["name"])]
+
+
+def diverged_lines(diverged: list[dict], unit: str, counts_as: str) -> list[str]:
+    """A summary's paragraph on its diverged runs (diverged_runs), saying what each counts as; [] for none."""
+    if not diverged:
+        return []
+    runs = "; ".join(f"{d['run']} at {unit} {d[unit]}" for d in diverged)
+    return [
+        f"Diverged ({len(diverged)} runs: a loss or gradient stopped being finite, or a frame's polar factor "
+        f"failed; each counts as {counts_as}): {runs}.",
+        "",
+    ]
 
 
 def unit_digits(unit: str) -> int:
