@@ -4,6 +4,7 @@ arms, the factorial), markdown and plots."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..arms import BOUNDED_ARMS, arm_spec
@@ -74,8 +75,9 @@ def lm_summary(experiment: str, records: list[dict]) -> dict:
     elif experiment == "factorial":
         summary["factorial"] = suite_factorial(records, VAL_LOSS)
     elif experiment == "factorial-stability":  # the table of sensitivities, then every run's losses behind it
-        summary["factorial"] = sensitivity_factorial(records)
-        summary["stability"] = stability_summary(records)
+        losses = LossTable.of(records)
+        summary["factorial"] = sensitivity_factorial(losses)
+        summary["stability"] = stability_summary(records, losses)
     else:
         raise ValueError(f"unknown experiment {experiment!r}")
     return summary
@@ -88,19 +90,27 @@ def _stability_label(config: dict) -> str:
     return config["arm"] + (f"+clip{config['qk_clip']:g}" if "qk_clip" in config else "")
 
 
-def _loss_table(records: list[dict]):
-    """cap (a uniform prediction's loss), table[m][label][seed] (the final loss capped at it), and the records
-    of each (label, m)."""
-    cap = next((r["metrics"]["uniform_loss"] for r in records if "uniform_loss" in r["metrics"]), None)
-    table: dict[float, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
-    cells: dict[tuple[str, float], list[dict]] = defaultdict(list)
-    for rec in records:
-        c = rec["config"]
-        m, label = c.get("lr_multiplier", 1.0), _stability_label(c)
-        loss = _final_loss(rec) if cap is None else min(_final_loss(rec), cap)
-        table[m][label][c["seed"]] = loss
-        cells[(label, m)].append(rec)
-    return cap, table, cells
+@dataclass(frozen=True)
+class LossTable:
+    """The losses behind the learning-rate sensitivity: cap (a uniform prediction's loss; None when no record
+    has it), table[m][label][seed] (the final loss capped at it) and the records of each (label, m)."""
+
+    cap: float | None
+    table: dict[float, dict[str, dict[int, float]]]
+    cells: dict[tuple[str, float], list[dict]]
+
+    @classmethod
+    def of(cls, records: list[dict]) -> LossTable:
+        cap = next((r["metrics"]["uniform_loss"] for r in records if "uniform_loss" in r["metrics"]), None)
+        table: dict[float, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+        cells: dict[tuple[str, float], list[dict]] = defaultdict(list)
+        for rec in records:
+            c = rec["config"]
+            m, label = c.get("lr_multiplier", 1.0), _stability_label(c)
+            loss = _final_loss(rec) if cap is None else min(_final_loss(rec), cap)
+            table[m][label][c["seed"]] = loss
+            cells[(label, m)].append(rec)
+        return cls(cap, table, cells)
 
 
 def _sensitivities(table, labels: list[str], multipliers: list[float]) -> dict[str, dict[int, float]]:
@@ -120,9 +130,9 @@ SENSITIVITY = Measure(
 )
 
 
-def sensitivity_factorial(records: list[dict]) -> dict:
+def sensitivity_factorial(losses: LossTable) -> dict:
     """The factorial section (suite_factorial) of each arm's learning-rate sensitivity per seed."""
-    _, table, cells = _loss_table(records)
+    table, cells = losses.table, losses.cells
     labels = sorted({label for label, _ in cells})
     sens = _sensitivities(table, labels, sorted(table))
     per_seed = [
@@ -133,12 +143,14 @@ def sensitivity_factorial(records: list[dict]) -> dict:
     return suite_factorial(per_seed, SENSITIVITY)
 
 
-def stability_summary(records: list[dict]) -> dict:
+def stability_summary(records: list[dict], losses: LossTable | None = None) -> dict:
     """Per run (arm, with QK-Clip or not) and learning-rate multiplier m: the final validation loss capped at a
     uniform prediction's (a diverged run counts as that), how many diverged, the largest attention and output
     logits over training; paired comparisons with adamw at every m; each run's learning-rate sensitivity
-    (_sensitivities) with its paired difference from adamw's; the precondition and a verdict."""
-    cap, table, cells = _loss_table(records)
+    (_sensitivities) with its paired difference from adamw's; the precondition and a verdict. `losses`: the
+    records' LossTable where the caller has built it."""
+    losses = losses or LossTable.of(records)
+    cap, table, cells = losses.cap, losses.table, losses.cells
     multipliers = sorted(table)
     labels = sorted({label for label, _ in cells}, key=lambda a: (a.split("+")[0] != "adamw", "+" in a, a))
     points = {}
