@@ -112,7 +112,9 @@ SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
         "stiefel-adam-bounded-temp": (1.0,),
         "qk-norm-sgd": (1e-3, 3e-3),
         "qk-norm-muon": (0.3, 1.0),
-        "sgd": (1e-3, 3e-3),
+        "sgd": (1e-4, 3e-4, 1e-3, 3e-3),
+        "sgd-nodecay": (3.0, 10.0),
+        "landing-stiefel-adam": (1.0, 3.0),
     },
 }
 SAMPLE_CHARS = 300
