@@ -60,6 +60,14 @@ PROFILES: dict[str, dict] = {
             "stiefel-adam-bounded": {"frame_lr": 0.3},
             "stiefel-adam-bounded-temp": {"frame_lr": 0.3},
             "stiefel-muon": {"frame_lr": 1e-2},
+            "stiefel-muon-bounded": {"frame_lr": 3e-2},
+            "qk-norm-muon": {"frame_lr": 0.3},
+            "qk-norm-sgd": {"frame_lr": 1e-2},
+            "sgd": {"frame_lr": 1e-4},
+            "stiefel-sgd-bounded": {"frame_lr": 1.0},
+            "kong-stiefel-adam": {"frame_lr": 1e-2},
+            "landing-stiefel-adam": {"frame_lr": 1.0},
+            "sgd-nodecay": {"frame_lr": 1.0},
         },
         # lr-stability's QK-Clip threshold, fixed before its runs: above the largest attention logit of every
         # adamw run of `main` (m = 1; 12 seeds, largest head at the end 32.5-44.7), so that it binds only where
@@ -112,7 +120,7 @@ SWEEP_EXTENSIONS: dict[str, dict[str, tuple[float, ...]]] = {
         "stiefel-adam-bounded-temp": (1.0,),
         "qk-norm-sgd": (1e-3, 3e-3),
         "qk-norm-muon": (0.3, 1.0),
-        "sgd": (1e-4, 3e-4, 1e-3, 3e-3),
+        "sgd": (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3),
         "sgd-nodecay": (3.0, 10.0),
         "landing-stiefel-adam": (1.0, 3.0),
     },
