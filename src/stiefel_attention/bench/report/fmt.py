@@ -7,7 +7,18 @@ from pathlib import Path
 
 from .summaries import PlanProgress
 
-__all__ = ["diverged_lines", "diverged_runs", "fmt_ci", "fmt_p", "fmt_runs", "fmt_t", "open_arms", "provisional", "save_figure", "undefined"]
+__all__ = [
+    "diverged_lines",
+    "diverged_runs",
+    "fmt_ci",
+    "fmt_p",
+    "fmt_runs",
+    "fmt_t",
+    "open_arms",
+    "provisional",
+    "save_figure",
+    "undefined",
+]
 
 
 def undefined(x) -> bool:
