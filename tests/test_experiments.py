@@ -707,7 +707,7 @@ def test_a_cifar_run_that_blows_up_is_recorded_as_diverged_and_counts_as_guessin
     """A rate too high for an arm is an outcome of the sweep, not a run with no record."""
     import types
 
-    from stiefel_attention.bench.cifar.report import TEST_ACCURACY
+    from stiefel_attention.bench.cifar.report import TEST_ACCURACY, summary_markdown
     from stiefel_attention.optim import NonFiniteGradientError
 
     calls = []
@@ -749,8 +749,6 @@ def test_a_cifar_run_that_blows_up_is_recorded_as_diverged_and_counts_as_guessin
     assert m["diverged_at_epoch"] == 1 + 1 // steps_per_epoch  # the second training step's epoch
     assert m["final_eval_acc"] is None and m["qk_isometry_error"] is None and m["final_train_loss"] is None
     assert TEST_ACCURACY.value(rec) == pytest.approx(10.0)
-    from stiefel_attention.bench.cifar.report import summary_markdown
-
     summary = cifar_summary("main", [{**rec, "name": "x-s0"}, {**_fake_record("adamw", 0, 0.5), "name": "y-s0"}])
     assert summary["diverged"] == [{"run": "x-s0", "epoch": m["diverged_at_epoch"]}]  # listed, by name
     assert f"x-s0 at epoch {m['diverged_at_epoch']}." in summary_markdown({**summary, "n_runs": 2}, "smoke")
